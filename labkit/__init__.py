@@ -1,0 +1,9 @@
+"""labkit: distributed deep-learning training, built from scratch and checked against PyTorch.
+
+The folder layout is the syllabus; start with :mod:`labkit.launch`.
+"""
+
+from labkit.launch import launch
+
+__all__ = ["launch"]
+__version__ = "0.1.0"
