@@ -1,0 +1,223 @@
+"""A live-tensor memory ledger: bytes by category, current and peak, exact on CPU.
+
+CPU PyTorch keeps no allocator statistics and process RSS is mostly library code, so we
+count tensors ourselves. :class:`MemoryTracker` is a ``TorchDispatchMode``: every aten op
+that runs inside it hands us its outputs, and for each output *storage* we have not seen
+we add ``storage.nbytes()`` to the ledger and attach a ``weakref.finalize`` that subtracts it
+again when the storage dies. Invariants:
+
+* each untyped storage is counted exactly once (views, in-place ops and ``.grad`` aliases
+  share a storage and add nothing);
+* ``current_bytes`` is the sum over live tracked storages, ``peak_bytes`` its running max;
+* each storage sits in exactly one category; ``register`` moves it (or starts tracking a
+  tensor that was allocated before the tracker started, e.g. the model's parameters).
+
+Categories follow the ZeRO paper's ledger: ``parameters``, ``gradients``,
+``optimizer_state`` (registered by the caller), ``activations`` (the default for anything
+new) and ``temporaries`` (optimizer scratch and communication buffers; allocate them under
+``with mt.category("temporaries"):``).
+
+On CUDA, :class:`CudaMemoryTracker` keeps the same categories but reads the totals from
+the caching allocator (``torch.cuda.memory_allocated`` / ``max_memory_allocated``), which
+also sees allocations made outside Python (NCCL, cuBLAS workspaces).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CATEGORIES", "MemoryLedger", "MemoryTracker", "CudaMemoryTracker", "tracker_for"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+@dataclass
+class MemoryLedger:
+    """A snapshot: totals plus per-category current and peak bytes."""
+
+    current_bytes: int
+    peak_bytes: int
+    current: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)  # each category's own maximum
+    at_peak: dict[str, int] = field(default_factory=dict)  # breakdown when the total peaked
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Count live tensor bytes per category. Use as ``with MemoryTracker() as mt: ...``.
+
+    >>> with MemoryTracker() as mt:
+    ...     x = torch.empty(1000)          # 4000 bytes, category "activations"
+    ...     del x                          # freed: current back to 0
+    >>> mt.peak_bytes
+    4000
+    """
+
+    def __init__(self, default_category: str = "activations") -> None:
+        super().__init__()
+        _check_category(default_category)
+        self._lock = threading.RLock()
+        self._live: dict[int, tuple[int, str]] = {}  # id(storage) -> (nbytes, category)
+        self._default = default_category
+        self._current = dict.fromkeys(CATEGORIES, 0)
+        self._peak = dict.fromkeys(CATEGORIES, 0)
+        self._at_peak = dict.fromkeys(CATEGORIES, 0)
+        self._total = 0
+        self._total_peak = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _add(self, storage: torch.UntypedStorage, category: str) -> None:
+        key = id(storage)
+        with self._lock:
+            old = self._live.get(key)
+            if old is not None:
+                if old[1] == category:
+                    return
+                self._move(key, old, category)
+                return
+            nbytes = storage.nbytes()
+            self._live[key] = (nbytes, category)
+            # The finalizer runs when the storage's PyObject dies, which PyTorch delays
+            # until the last tensor or view of it is gone (PyObject preservation).
+            weakref.finalize(storage, self._free, key)
+            self._bump(category, nbytes)
+
+    def _move(self, key: int, old: tuple[int, str], category: str) -> None:
+        nbytes, was = old
+        self._live[key] = (nbytes, category)
+        self._current[was] -= nbytes
+        self._total -= nbytes
+        self._bump(category, nbytes)
+
+    def _bump(self, category: str, nbytes: int) -> None:
+        self._current[category] += nbytes
+        self._total += nbytes
+        self._peak[category] = max(self._peak[category], self._current[category])
+        if self._total > self._total_peak:
+            self._total_peak = self._total
+            self._at_peak = dict(self._current)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._current[entry[1]] -= entry[0]
+                self._total -= entry[0]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if id(st) not in self._live:
+                    self._add(st, self._default)
+        return out
+
+    # ------------------------------------------------------------------ public API
+    def register(self, tensors: torch.Tensor | Iterable[torch.Tensor | None], category: str) -> None:
+        """Put the storages of ``tensors`` in ``category`` (tracking them if they are new)."""
+        _check_category(category)
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for t in items:
+            if t is not None:
+                self._add(t.untyped_storage(), category)
+
+    def track_module(self, module: torch.nn.Module) -> None:
+        """Register ``module``'s parameters, and file each ``.grad`` under gradients as
+        soon as autograd accumulates it (a post-accumulate-grad hook)."""
+        params = [p for p in module.parameters()]
+        self.register(params, "parameters")
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(
+                    lambda q: self.register(q.grad, "gradients") if q.grad is not None else None
+                )
+
+    @contextmanager
+    def category(self, name: str) -> Iterator[None]:
+        """New allocations inside this block default to category ``name``."""
+        _check_category(name)
+        before, self._default = self._default, name
+        try:
+            yield
+        finally:
+            self._default = before
+
+    def reset_peak(self) -> None:
+        """Restart the peaks from the current values (e.g. after building the model)."""
+        with self._lock:
+            self._peak = dict(self._current)
+            self._total_peak = self._total
+            self._at_peak = dict(self._current)
+
+    @property
+    def current_bytes(self) -> int:
+        return self._total
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._total_peak
+
+    def current_by_category(self) -> dict[str, int]:
+        return dict(self._current)
+
+    def peak_by_category(self) -> dict[str, int]:
+        return dict(self._peak)
+
+    def ledger(self) -> MemoryLedger:
+        with self._lock:
+            return MemoryLedger(
+                self.current_bytes, self.peak_bytes, dict(self._current), dict(self._peak), dict(self._at_peak)
+            )
+
+
+class CudaMemoryTracker(MemoryTracker):
+    """Same categories, totals from the CUDA caching allocator (relative to entry).
+
+    ``current_bytes``/``peak_bytes`` include what the dispatch mode cannot see (NCCL and
+    library workspaces); the categories still come from the live-storage ledger.
+    """
+
+    def __init__(self, device: torch.device | int | None = None, default_category: str = "activations"):
+        super().__init__(default_category)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self._base = 0
+
+    def __enter__(self) -> CudaMemoryTracker:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+        super().__enter__()
+        return self
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    @property
+    def current_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self._base
+
+    @property
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) - self._base
+
+
+def tracker_for(device: torch.device, default_category: str = "activations") -> MemoryTracker:
+    """The right tracker for ``device``: allocator statistics on CUDA, live storages elsewhere."""
+    if device.type == "cuda":
+        return CudaMemoryTracker(device, default_category)
+    return MemoryTracker(default_category)
+
+
+def _check_category(name: str) -> None:
+    if name not in CATEGORIES:
+        raise ValueError(f"unknown memory category {name!r}; expected one of {CATEGORIES}")

@@ -1,0 +1,94 @@
+"""The live-tensor memory tracker counts bytes exactly, per category, current and peak."""
+
+import pytest
+import torch
+
+from labkit.memory import CATEGORIES, MemoryTracker
+
+
+def test_counts_allocations_and_frees_to_the_byte():
+    with MemoryTracker() as mt:
+        a = torch.empty(1000)  # 4000 B
+        b = torch.empty(250, dtype=torch.float64)  # 2000 B
+        assert mt.current_bytes == 6000
+        del a
+        assert mt.current_bytes == 2000
+        c = torch.empty(10, dtype=torch.int8)  # 10 B
+        assert mt.current_bytes == 2010
+        del b, c
+    assert mt.current_bytes == 0
+    assert mt.peak_bytes == 6000
+
+
+def test_views_and_inplace_ops_share_one_storage():
+    with MemoryTracker() as mt:
+        x = torch.zeros(256)  # 1024 B
+        v = x[10:20].view(2, 5)
+        x.add_(1.0)
+        v.mul_(2.0)
+        t = x.view(16, 16).t()  # (256,) -> (16, 16) -> transposed view
+        assert mt.current_bytes == 1024
+        y = x + 1  # a new storage
+        assert mt.current_bytes == 2048
+        del x, v, t
+        assert mt.current_bytes == 1024  # x's storage died with its last view; y is alive
+        del y
+    assert mt.current_bytes == 0
+    assert mt.peak_bytes == 2048
+
+
+def test_storage_freed_only_when_last_view_dies():
+    with MemoryTracker() as mt:
+        x = torch.empty(100)
+        tail = x[50:]
+        del x
+        assert mt.current_bytes == 400
+        del tail
+        assert mt.current_bytes == 0
+
+
+def test_categories_registration_and_scopes():
+    pre = torch.empty(100)  # allocated before the tracker: unknown until registered
+    with MemoryTracker() as mt:
+        assert mt.current_bytes == 0
+        mt.register(pre, "parameters")
+        assert mt.current_by_category()["parameters"] == 400
+        with mt.category("temporaries"):
+            tmp = torch.empty(50)
+        act = torch.empty(25)
+        cur = mt.current_by_category()
+        assert (cur["temporaries"], cur["activations"]) == (200, 100)
+        mt.register(act, "optimizer_state")  # moving a storage keeps the total
+        assert mt.current_bytes == 700
+        assert mt.current_by_category()["activations"] == 0
+        del tmp
+        peak = mt.peak_by_category()
+        assert peak["temporaries"] == 200 and peak["activations"] == 100
+        assert mt.ledger().at_peak["temporaries"] == 200
+    with pytest.raises(ValueError, match="unknown memory category 'weights'"):
+        mt.register(pre, "weights")
+    assert set(mt.current_by_category()) == set(CATEGORIES)
+
+
+def test_adam_state_is_twice_the_parameters():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.Linear(33, 7))
+    n_bytes = sum(p.numel() * 4 for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 64)
+    with MemoryTracker() as mt:
+        mt.track_module(model)
+        model(x).sum().backward()
+        with mt.category("temporaries"):
+            opt.step()
+        mt.register([t for s in opt.state.values() for t in s.values()], "optimizer_state")
+        cur = mt.current_by_category()
+        assert cur["parameters"] == n_bytes
+        assert cur["gradients"] == n_bytes
+        # exp_avg + exp_avg_sq in fp32 (plus one 4-byte step tensor per parameter)
+        steps = 4 * len(list(model.parameters()))
+        assert cur["optimizer_state"] == 2 * n_bytes + steps
+        assert cur["temporaries"] == 0  # Adam's scratch is freed
+        assert mt.peak_by_category()["temporaries"] > 0
+        opt.zero_grad(set_to_none=True)
+        assert mt.current_by_category()["gradients"] == 0
