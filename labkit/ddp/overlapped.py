@@ -1,0 +1,99 @@
+"""Overlapped DDP: each bucket's all-reduce starts from a gradient hook, while backward runs.
+
+The idea of PyTorch DDP (Li et al., "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training", VLDB 2020): backward produces gradients last-layer-first, so the
+bucket holding the last layers is complete long before backward ends. Send it then, and
+the communication of bucket ``k`` hides behind the computation of the gradients of bucket
+``k + 1``. Ideally only the last bucket's all-reduce is left exposed after backward::
+
+    backward  |==== bucket 0 grads ====|==== bucket 1 grads ====|== bucket 2 ==|
+    comm                               |-- all-reduce 0 --|     |-- ar 1 --|   |-- ar 2 --|
+                                                                   exposed:   ^^^^^^^^^^^^
+
+Why hooks: ``Tensor.register_post_accumulate_grad_hook`` runs right after autograd has
+written a parameter's ``.grad`` (once per backward, after the uses of a tied parameter
+have been summed), which is the earliest moment that gradient is final.
+
+Two rules keep it correct:
+
+* **Same order on every rank.** Collectives are matched by issue order, so a rank must not
+  send bucket 2 before bucket 1 just because its bucket 2 happened to be ready first (a
+  branch taken on one rank only changes the ready order). Buckets launch strictly in index
+  order: a ready bucket waits for its predecessors.
+* **Everything is sent before the step.** A parameter that got no gradient on this rank
+  never fires its hook; :meth:`finish_gradient_sync` launches whatever is left (zeros plus
+  a "not used" flag), then waits for every bucket and writes the averages back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from labkit.ddp.base import AllReduceFn, Pending
+from labkit.ddp.bucketed import BucketedDDP
+
+
+class OverlappedDDP(BucketedDDP):
+    """Bucketed DDP whose all-reduces are launched asynchronously from gradient hooks."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float = 1.0,
+        group: Any = None,
+        allreduce_fn: AllReduceFn | None = None,
+        record_events: bool = False,
+    ):
+        super().__init__(
+            module,
+            bucket_cap_mb=bucket_cap_mb,
+            group=group,
+            allreduce_fn=allreduce_fn,
+            record_events=record_events,
+        )
+        self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
+        self._reset()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _reset(self) -> None:
+        self.missing = [len(bucket) for bucket in self.buckets]  # grads not yet final, per bucket
+        self.ready: set[int] = set()
+        self.next_bucket = 0  # buckets launch in this order, on every rank
+        self.inflight: list[tuple[int, Any, Pending]] = []
+        self._last_grad = 0.0
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.require_sync:  # inside no_sync(): accumulate only
+            return
+        self._last_grad = self.now()
+        if id(p) in self.ready:
+            raise RuntimeError(
+                f"gradient of {self.names[id(p)]!r} was produced twice before "
+                "finish_gradient_sync(); accumulate micro-batches inside no_sync()"
+            )
+        self.ready.add(id(p))
+        self.missing[self.bucket_of[id(p)]] -= 1
+        while self.next_bucket < len(self.buckets) and self.missing[self.next_bucket] == 0:
+            self._launch(self.next_bucket)
+
+    def _launch(self, k: int) -> None:
+        buf = self.pack(self.buckets[k])  # (sum numel + len(bucket),)
+        self.inflight.append((k, buf, self.start_allreduce(buf, f"bucket {k}")))
+        self.next_bucket += 1
+
+    def _sync(self) -> None:
+        if not self.require_sync:
+            return
+        while self.next_bucket < len(self.buckets):  # buckets with a param unused on this rank
+            self._launch(self.next_bucket)
+        for k, buf, pending in self.inflight:
+            pending.wait()
+            self.unpack(buf, self.buckets[k])
+        self._reset()
+
+    def _backward_end(self, sync_called: float) -> float:
+        return self._last_grad or sync_called

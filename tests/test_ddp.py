@@ -1,0 +1,213 @@
+"""DDP from scratch, the spec: every variant equals single-process training, step by step.
+
+One launch per world size runs every variant (plus torch DDP, plus deliberately broken
+mutants that the harness must catch) with and without gradient accumulation, and returns
+each rank's parameters after every step; all assertions happen here, in the test process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.ddp import VARIANTS, BucketedDDP, DataParallel, partition_buckets
+from labkit.ddp import equivalence as eq
+from labkit.launch import launch
+
+STEPS = 4
+ACCUMS = (1, 3)
+OURS = ("naive", "flat", "bucketed", "overlapped", "overlapped_custom_fn", "overlapped_one_bucket")
+TINY_BUCKET_MB = 0.0005  # ~520 bytes: AwkwardNet (3 KB of gradients) splits into several buckets
+
+
+def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
+    """Runs on every rank (pickled by value: defined before use, no test-module imports)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.ddp import VARIANTS, FlatDDP, torch_all_reduce
+    from labkit.ddp import equivalence as eq
+
+    calls = {"n": 0}
+
+    def counting_all_reduce(tensor, group):
+        calls["n"] += 1
+        torch_all_reduce(tensor, group)
+
+    small = {"bucket_cap_mb": TINY_BUCKET_MB}
+    wraps = {
+        "naive": lambda m: VARIANTS["naive"](m),
+        "flat": lambda m: VARIANTS["flat"](m),
+        "bucketed": lambda m: VARIANTS["bucketed"](m, **small),
+        "overlapped": lambda m: VARIANTS["overlapped"](m, **small),
+        "overlapped_custom_fn": lambda m: VARIANTS["overlapped"](m, allreduce_fn=counting_all_reduce, **small),
+        "overlapped_one_bucket": lambda m: VARIANTS["overlapped"](m, bucket_cap_mb=25.0),
+        "torch_ddp": lambda m: DDP(m, find_unused_parameters=True),
+    }
+    if with_mutants:
+
+        class ZerosForUnused(FlatDDP):  # forgets that "no rank used it" means grad=None
+            def unpack(self, buf, params):
+                super().unpack(buf, params)
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+
+        class NoBroadcast(FlatDDP):
+            def _broadcast_from_rank0(self):
+                pass
+
+        def summing(m):  # sums instead of averaging
+            w = FlatDDP(m)
+            w.world_size = 1
+            return w
+
+        wraps.update(mutant_sum=summing, mutant_zeros=ZerosForUnused, mutant_no_broadcast=NoBroadcast)
+
+    out: dict = {"runs": {}}
+    for accum in accums:
+        for name, wrap in wraps.items():
+            calls["n"] = 0
+            out["runs"][(name, accum)] = eq.train_distributed(wrap, steps=STEPS, accum=accum)
+            if name == "overlapped_custom_fn":
+                out[("custom_fn_calls", accum)] = calls["n"]
+
+    # One recorded step of each bucketed flavour, for the timeline invariants.
+    for name in ("bucketed", "overlapped"):
+        model = wraps[name](eq.AwkwardNet())
+        model.record_events = True
+        x, y, _ = eq.make_batches(1, 1, 12)[0]
+        mask = torch.ones(12, dtype=torch.bool)  # every parameter used: no bucket stalls
+        torch.nn.functional.cross_entropy(model(x, mask), y).backward()
+        model.finish_gradient_sync()
+        out[("events", name)] = [(e.kind, e.name, e.start, e.end) for e in model.events]
+        out[("buckets", name)] = len(model.buckets)
+
+    # Backward twice without no_sync() must be refused, naming a parameter.
+    model = wraps["overlapped"](eq.AwkwardNet())
+    x, y, mask = eq.make_batches(1, 1, 12)[0]
+    try:
+        for _ in range(2):
+            torch.nn.functional.cross_entropy(model(x, mask), y).backward()
+        out["double_backward"] = "no error"
+    except RuntimeError as exc:
+        out["double_backward"] = str(exc)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def world(request):
+    w = request.param
+    results = launch(_rank_job, ACCUMS, w == 2, world_size=w, timeout=120, quiet=True)
+    refs = {a: eq.train_reference(STEPS, a) for a in ACCUMS}
+    return w, results, refs
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("variant", OURS)
+def test_variant_equals_single_process_every_step(world, variant):
+    w, results, refs = world
+    for accum in ACCUMS:
+        for rank in range(w):
+            snaps, _ = results[rank]["runs"][(variant, accum)]
+            miss = eq.first_divergence(refs[accum], snaps)
+            assert miss is None, f"{variant}, world_size={w}, accum={accum}, rank {rank}: {miss}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("variant", [*OURS, "torch_ddp"])
+def test_parameters_bit_identical_across_ranks(world, variant):
+    w, results, _ = world
+    for accum in ACCUMS:
+        rank0, _ = results[0]["runs"][(variant, accum)]
+        for rank in range(1, w):
+            other, _ = results[rank]["runs"][(variant, accum)]
+            for step, (a, b) in enumerate(zip(rank0, other)):
+                for name in a:
+                    assert torch.equal(a[name], b[name]), f"{variant}: rank {rank} != rank 0 at step {step}, {name}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("variant", OURS)
+def test_variant_matches_torch_ddp(world, variant):
+    w, results, refs = world
+    for accum in ACCUMS:
+        ours, _ = results[0]["runs"][(variant, accum)]
+        theirs, _ = results[0]["runs"][("torch_ddp", accum)]
+        assert eq.first_divergence(refs[accum], theirs) is None  # the reference itself is right
+        miss = eq.first_divergence(theirs, ours)
+        assert miss is None, f"{variant} vs torch DDP (world_size={w}, accum={accum}): {miss}"
+
+
+@pytest.mark.timeout(150)
+def test_frozen_parameter_never_moves_and_tied_weight_reduced_once(world):
+    w, results, refs = world
+    initial = eq.train_reference(0, 1)  # no steps: nothing to snapshot, so rebuild below
+    assert initial == []
+    torch.manual_seed(0)
+    frozen0 = eq.AwkwardNet().frozen.weight.detach()
+    for variant in OURS:
+        for accum in ACCUMS:
+            snaps, reduced = results[w - 1]["runs"][(variant, accum)]
+            assert all(torch.equal(s["frozen.weight"], frozen0) for s in snaps), variant
+            # tied.weight is one Parameter used twice: counted once, frozen.weight not at all
+            assert reduced == [eq.trainable_numel()] * STEPS, (variant, reduced)
+    assert "tied.weight" in refs[1][0] and "frozen.weight" in refs[1][0]
+
+
+@pytest.mark.timeout(150)
+def test_custom_allreduce_fn_is_the_one_used(world):
+    _, results, _ = world
+    buckets = results[0][("buckets", "overlapped")]
+    assert buckets >= 3
+    for accum in ACCUMS:
+        assert results[0][("custom_fn_calls", accum)] == buckets * STEPS
+
+
+@pytest.mark.timeout(150)
+def test_overlapped_starts_allreduce_during_backward_bucketed_after(world):
+    _, results, _ = world
+    for name in ("bucketed", "overlapped"):
+        events = results[0][("events", name)]
+        (bwd,) = [e for e in events if e[0] == "backward"]
+        comms = [e for e in events if e[0] == "allreduce"]
+        assert len(comms) == results[0][("buckets", name)] >= 3
+        assert all(e[2] <= e[3] for e in events)
+        if name == "overlapped":
+            assert comms[0][2] < bwd[3], "first bucket must be sent before backward ends"
+        else:
+            assert all(c[2] >= bwd[3] for c in comms)
+
+
+@pytest.mark.timeout(150)
+def test_harness_catches_broken_ddp(world):
+    """The spec can fail: each mutant is caught, and the report names the culprit."""
+    w, results, refs = world
+    if w != 2:
+        pytest.skip("mutants run on 2 ranks only")
+    runs = results[1]["runs"]  # rank 1: with no broadcast, rank 0 would still look right
+    assert eq.first_divergence(refs[1], runs[("mutant_sum", 1)][0]) is not None
+    zeros = eq.first_divergence(refs[1], runs[("mutant_zeros", 1)][0])
+    assert zeros is not None and "extra." in zeros, zeros
+    assert eq.first_divergence(refs[1], runs[("mutant_no_broadcast", 1)][0]) is not None
+    assert "produced twice" in results[0]["double_backward"] and "no_sync" in results[0]["double_backward"]
+
+
+def test_partition_buckets_keeps_order_and_cap():
+    assert partition_buckets([4, 4, 4, 10, 1], cap_bytes=8) == [[0, 1], [2, 3], [4]]
+    assert partition_buckets([100, 1, 1], cap_bytes=8) == [[0], [1, 2]]
+    assert partition_buckets([], cap_bytes=8) == []
+    sizes = [3, 7, 1, 9, 2, 2, 5]
+    flat = [i for b in partition_buckets(sizes, cap_bytes=6) for i in b]
+    assert flat == list(range(len(sizes)))
+    with pytest.raises(ValueError, match="positive"):
+        partition_buckets([1], cap_bytes=0)
+
+
+def test_bad_arguments_fail_before_any_communication():
+    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got -1"):
+        BucketedDDP(eq.AwkwardNet(), bucket_cap_mb=-1)
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        DataParallel(eq.AwkwardNet())
+    assert set(VARIANTS) == {"naive", "flat", "bucketed", "overlapped"}
