@@ -37,6 +37,7 @@ import ctypes
 import datetime
 import faulthandler
 import json
+import linecache
 import os
 import queue
 import random
@@ -48,6 +49,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import cloudpickle.cloudpickle as _cp
 import torch
 import torch.distributed as dist
 
@@ -83,6 +86,7 @@ _COLLATERAL_MARKERS = (
     "socket closed",
     "nccl communicator was aborted",
     "process group was aborted",
+    "connection refused",  # a peer exited while the group was still connecting
 )
 
 
@@ -152,7 +156,8 @@ class LaunchConfig:
 
     world_size: int = 2
     backend: str | None = None  # None: nccl when there is a GPU per rank, else gloo
-    timeout: float = 300.0  # wall clock for the whole job; also bounds each collective
+    timeout: float = 300.0  # wall clock for the whole job
+    collective_timeout: float | None = None  # bound on each collective; None: same as timeout
     max_restarts: int = 0  # elastic restarts of the whole worker group after a failure
     start_method: str | None = None  # None: fork for gloo (fast), spawn for nccl (CUDA-safe)
     threads_per_rank: int | None = None  # None: cores // world_size on CPU, at least 1
@@ -168,6 +173,10 @@ class LaunchConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not (isinstance(self.timeout, int | float) and self.timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.collective_timeout is None:
+            self.collective_timeout = float(self.timeout)
+        elif not self.collective_timeout > 0:
+            raise ValueError(f"collective_timeout must be positive, got {self.collective_timeout!r}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.start_method is None:
@@ -229,7 +238,23 @@ def _init_process_group(backend: str, timeout: float) -> None:
     """Initialise the default group from the torchrun-style environment (RANK, WORLD_SIZE, ...)."""
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    limit = datetime.timedelta(seconds=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives a restart; without a per-attempt prefix a restarted
+        # group reads the dead attempt's gloo addresses and fails with "connection refused".
+        store = dist.PrefixStore(
+            f"labkit/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit),
+        )
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=limit,
+        )
+    else:
+        dist.init_process_group(backend=backend, timeout=limit)
 
 
 def run_from_env(fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout: float = 1800.0) -> Any:
@@ -257,6 +282,40 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, but functions keep their real file name (cloudpickle writes "<dynamic-code>").
+
+    With the file name, and the kernel's ``linecache`` entries shipped alongside, a rank's
+    traceback shows the notebook cell's own lines instead of anonymous frames.
+    """
+
+    def __init__(self, file: Any):
+        super().__init__(file)
+        self.filenames: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType) and hasattr(_cp, "_code_reduce"):
+            ctor, args = _cp._code_reduce(obj)
+            self.filenames.add(obj.co_filename)
+            return ctor, tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
+        return super().reducer_override(obj)
+
+
+def _dumps(job: dict[str, Any]) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    pickler.dump(job)
+    # Source of code that exists only in memory (notebook cells): tracebacks need it.
+    sources = {
+        name: (len("".join(entry[2])), None, entry[2], name)
+        for name in pickler.filenames
+        if (entry := linecache.cache.get(name)) is not None and len(entry) == 4 and not os.path.exists(name)
+    }
+    return buffer.getvalue() + cloudpickle.dumps(sources)
 
 
 # --------------------------------------------------------------------------------------
@@ -287,6 +346,9 @@ def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
 def _worker(run_dir: str) -> None:
     """Entry point of every rank (module level, so elastic pickles it by reference)."""
     _set_pdeathsig()
+    # A forked rank inherits the agent's Python SIGTERM handler, which cannot run while the
+    # rank is blocked inside a collective: the default action makes the agent's stop instant.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     run = Path(run_dir)
     rank = int(os.environ["RANK"])
     # Worker stdout is a file, not a tty: without this, nothing shows until the rank exits.
@@ -299,15 +361,18 @@ def _worker(run_dir: str) -> None:
 
     with open(run / _JOB_FILE, "rb") as f:
         job = cloudpickle.load(f)
+        linecache.cache.update(cloudpickle.load(f))
     cfg: LaunchConfig = job["config"]
     if cfg.backend == "gloo":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        _init_process_group(str(cfg.backend), cfg.timeout)
+        _init_process_group(str(cfg.backend), float(cfg.collective_timeout or cfg.timeout))
         result = job["fn"](*job["args"])
         with open(run / f"result.{rank}.pkl", "wb") as f:
             cloudpickle.dump(_to_cpu(result), f)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the rank exits
+        # Drop this wrapper's own frame: the traceback starts in the learner's code.
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
         _write_json_atomic(
             run / f"error.{rank}.json",
             {
@@ -315,7 +380,7 @@ def _worker(run_dir: str) -> None:
                 "time": time.time(),
                 "type": type(exc).__name__,
                 "message": str(exc),
-                "traceback": traceback.format_exc(),
+                "traceback": "".join(tb),
                 "collateral": _is_collateral(exc),
                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             },
@@ -365,8 +430,17 @@ def _agent_main(run_dir: str, parent_pid: int) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=str(run / "logs"), redirects=Std.ALL, tee=Std.ALL),
         shutdown_timeout=2,
     )
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         elastic_launch(config, _worker)(run_dir)
+    except ChildFailedError as exc:
+        died = [
+            {"rank": rank, "exitcode": f.exitcode, "signal": f.signal_name() if f.exitcode < 0 else ""}
+            for rank, f in sorted(exc.failures.items())
+        ]
+        _write_json_atomic(run / "agent_failures.json", {"failures": died})
+        return 1
     except Exception as exc:  # noqa: BLE001 - the launcher reads error.N.json for details
         (run / "agent_error.txt").write_text(f"{type(exc).__name__}: {exc}")
         return 1
@@ -433,26 +507,72 @@ def _dump_stacks(run: Path, world_size: int, wait: float = 1.5) -> dict[int, str
         for rank in range(world_size):
             path = run / f"stack.{rank}.txt"
             stacks[rank] = path.read_text() if path.exists() else ""
-        if all(stacks.values()):
+        if all(s.rstrip().endswith(("in _worker", "(most recent call first):")) or "_worker" in s for s in stacks.values()):
             break
         time.sleep(0.05)
-    return stacks
+    return {rank: _trim_stack(text) for rank, text in stacks.items()}
 
 
-def _root_cause(run: Path, log_dir: Path) -> RankFailedError | None:
-    """The failing rank to blame: a genuine exception beats 'connection closed by peer'."""
+def _trim_stack(text: str) -> str:
+    """Keep each thread's frames down to labkit's ``_worker``: below it is only machinery."""
+    kept: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        if not line.startswith(" "):  # a "Thread 0x... (most recent call first):" header
+            skipping = False
+        elif skipping:
+            continue
+        elif "labkit" in line and line.rstrip().endswith("in _worker"):
+            skipping = True
+            continue
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def _error_records(run: Path) -> list[dict[str, Any]]:
     records = []
     for path in run.glob("error.*.json"):
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(path.read_text()))
-    if not records:
-        return None
-    last_restart = max(r["restart"] for r in records)
-    records = [r for r in records if r["restart"] == last_restart]
-    records.sort(key=lambda r: (r["collateral"], r["time"]))
-    root = records[0]
-    others = sorted(r["rank"] for r in records[1:])
-    return RankFailedError(root["rank"], root["type"], root["message"], root["traceback"], log_dir, others)
+    return records
+
+
+def _final_failure(records: list[dict[str, Any]], max_restarts: int) -> bool:
+    """True once a rank has failed in the last attempt elastic is allowed to make."""
+    return any(r["restart"] >= max_restarts for r in records)
+
+
+def _root_cause(run: Path, log_dir: Path) -> RankFailedError | None:
+    """The failing rank to blame: a genuine exception beats 'connection closed by peer'.
+
+    A rank killed by a signal or a native crash leaves no Python record; the agent's view of
+    exit codes (``agent_failures.json``) names it instead.
+    """
+    records = _error_records(run)
+    if records:
+        last_restart = max(r["restart"] for r in records)
+        records = [r for r in records if r["restart"] == last_restart]
+        records.sort(key=lambda r: (r["collateral"], r["time"]))
+        root = records[0]
+        others = sorted(r["rank"] for r in records[1:])
+        if not root["collateral"] or not (run / "agent_failures.json").exists():
+            return RankFailedError(root["rank"], root["type"], root["message"], root["traceback"], log_dir, others)
+    died = run / "agent_failures.json"
+    if died.exists():
+        every = json.loads(died.read_text())["failures"]
+        failures = [f for f in every if f["signal"]] or every
+        if failures:
+            f = failures[0]
+            how = f"was killed by {f['signal']}" if f["signal"] else f"exited with code {f['exitcode']}"
+            return RankFailedError(
+                f["rank"],
+                "ProcessDied",
+                f"the process {how}",
+                "(no Python traceback: the process was killed, ran out of memory, or crashed in native code)",
+                log_dir,
+                [g["rank"] for g in failures[1:]],
+            )
+    return None
 
 
 def _pump(stream: Any, tag: str, lines: queue.Queue[tuple[str, str]]) -> None:
@@ -488,7 +608,7 @@ def launch(
     _prune_old_runs(root)
     run = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-", dir=root))
     try:
-        payload = cloudpickle.dumps({"fn": fn, "args": args, "config": cfg})
+        payload = _dumps({"fn": fn, "args": args, "config": cfg})
     except Exception as exc:
         raise TypeError(f"cannot send fn and args to the ranks (pickling failed): {exc}") from exc
     (run / _JOB_FILE).write_bytes(payload)
@@ -546,6 +666,7 @@ def launch(
         sys.stderr.flush()
 
     deadline = time.monotonic() + cfg.timeout
+    first_failure: float | None = None
     try:
         while proc.poll() is None:
             drain(0.05)
@@ -553,16 +674,25 @@ def launch(
                 stacks = _dump_stacks(run, cfg.world_size)
                 _kill_tree(proc, run)
                 raise JobTimeoutError(cfg.timeout, stacks, run / "logs")
+            # Fail fast: once a rank has failed for good, kill everything now rather than
+            # wait for the agent's polite shutdown. A collateral error ("connection closed")
+            # gets a short grace period for the culprit's own record to land.
+            records = _error_records(run)
+            if records and _final_failure(records, cfg.max_restarts):
+                first_failure = first_failure or time.monotonic()
+                genuine = any(not r["collateral"] for r in records)
+                if genuine or time.monotonic() - first_failure > 1.0:
+                    break
     except BaseException:
         _kill_tree(proc, run)
         raise
     finally:
+        _kill_tree(proc, run)  # also reaps ranks of an agent that exited on its own
         for t in pumps:
             t.join(timeout=2)
         drain(0)
 
-    if proc.returncode != 0:
-        _kill_tree(proc, run)  # the agent is gone; make sure its ranks are too
+    if first_failure is not None or proc.returncode != 0:
         failure = _root_cause(run, run / "logs")
         if failure is not None:
             raise failure

@@ -1,0 +1,32 @@
+"""Shared test fixtures. Multi-process tests call labkit.launch with a short ``timeout``."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import psutil
+import pytest
+
+
+def processes_tagged(tag: str) -> list[psutil.Process]:
+    """Every live process whose environment carries LABKIT_TEST_TAG=tag (ours, never others')."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("LABKIT_TEST_TAG") == tag:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.fixture
+def job_tag():
+    """A tag to pass as ``env={"LABKIT_TEST_TAG": tag}``; the test fails if any tagged process survives."""
+    tag = uuid.uuid4().hex
+    yield tag
+    survivors = processes_tagged(tag)
+    for p in survivors:
+        p.kill()
+    assert not survivors, f"processes outlived their job: {[(p.pid, p.name()) for p in survivors]}"

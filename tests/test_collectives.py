@@ -1,0 +1,301 @@
+"""The spec of labkit.collectives: equal to torch.distributed's collectives, close to the exact sum.
+
+One launch per world size runs every (algorithm, shape, dtype, op) case on the whole world
+and on a subgroup, and returns the list of mismatches; the test asserts that list is empty.
+Each rank builds every rank's input from a seed, so it also knows the exact (float64) result.
+
+Tolerances (``eps`` = machine epsilon of the dtype, ``S`` = sum of |x_i| over ranks):
+* ours vs the exact result: ``eps * |exact| + p * eps32 * S`` (+ the dtype's smallest
+  subnormal): float32 partials, then one rounding to the dtype;
+* ours vs ``dist.all_reduce``: ``p * eps * S``, the error bound of a p-term sum rounded at
+  every hop (what a native 16-bit ring does); MAX must be exact.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from labkit.collectives import cost_model as cm
+from labkit.collectives.common import chunk_offsets, chunk_sizes
+from labkit.launch import launch
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX)
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, world: int, case: int) -> list[torch.Tensor]:
+    """Every rank's input for one case, identical on all ranks (seeded by rank and case)."""
+    return [torch.randn(shape, generator=torch.Generator().manual_seed(1000 * case + r)).to(dtype) for r in range(world)]
+
+
+def _exact(xs: list[torch.Tensor], op: object) -> torch.Tensor:
+    stack = torch.stack([x.double() for x in xs])
+    if op == ReduceOp.MAX:
+        return stack.amax(0)
+    total = stack.sum(0)
+    return total / len(xs) if op == ReduceOp.AVG else total
+
+
+def _close(name: str, got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> str | None:
+    err = (got.double() - ref.double()).abs()
+    if got.shape != ref.shape:
+        return f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    if err.numel() and bool((err > bound).any()):
+        i = int((err - bound).reshape(-1).argmax())
+        return f"{name}: element {i}: got {got.reshape(-1)[i].item()}, want {ref.reshape(-1)[i].item()} (bound {bound.reshape(-1)[i].item():.3g})"
+    return None
+
+
+def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
+    """Every algorithm x shape x dtype x op on ``group``; returns mismatch descriptions."""
+    from labkit.collectives import (
+        BufferPool,
+        broadcast,
+        naive_all_reduce,
+        recursive_doubling_all_reduce,
+        ring_all_gather,
+        ring_all_reduce,
+        ring_reduce_scatter,
+    )
+
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    bad: list[str] = []
+    shapes = [(), (0,), (1,), (p - 1,), (p + 1,), (7,), (3, 67), (4 * p,)]
+    case = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        size, off = chunk_sizes(n, p), chunk_offsets(n, p)
+        for dtype in DTYPES:
+            eps, eps32 = torch.finfo(dtype).eps, torch.finfo(torch.float32).eps
+            for op in OPS:
+                case += 1
+                name = f"[{tag} p={p} shape={shape} {dtype} {op}]"
+                xs = _inputs(shape, dtype, p, case)
+                exact = _exact(xs, op)
+                spread = torch.stack([x.double().abs() for x in xs]).sum(0)
+                if op == ReduceOp.AVG:
+                    spread = spread / p
+                tiny = torch.finfo(dtype).smallest_normal * 2 ** -(torch.finfo(dtype).bits // 2)
+                to_exact = eps * exact.abs() + p * eps32 * spread + tiny
+                to_native = p * eps * spread + tiny
+                if op == ReduceOp.MAX:
+                    to_exact, to_native = torch.zeros_like(exact), torch.zeros_like(exact)
+                native = xs[rank].clone()
+                dist.all_reduce(native, ReduceOp.SUM if op == ReduceOp.AVG else op, group=group)
+                if op == ReduceOp.AVG:
+                    native = (native.float() / p).to(dtype)
+                for algo in (ring_all_reduce, naive_all_reduce, recursive_doubling_all_reduce):
+                    got = algo(xs[rank].clone(), op, group)
+                    for problem in (
+                        _close(f"{name} {algo.__name__} vs exact", got, exact, to_exact),
+                        _close(f"{name} {algo.__name__} vs dist.all_reduce", got, native, to_native),
+                    ):
+                        if problem:
+                            bad.append(problem)
+                    everyone = [torch.empty_like(got) for _ in range(p)]
+                    dist.all_gather(everyone, got.contiguous(), group=group)
+                    if not all(torch.equal(e, got) for e in everyone):
+                        bad.append(f"{name} {algo.__name__}: ranks hold different results")
+                # reduce-scatter: this rank's chunk of the flat result
+                shard = torch.empty(size[rank], dtype=dtype)
+                ring_reduce_scatter(shard, xs[rank], op, group)
+                lo, hi = off[rank], off[rank + 1]
+                flat = lambda t: t.reshape(-1)[lo:hi]  # noqa: E731
+                for problem in (
+                    _close(f"{name} ring_reduce_scatter vs exact", shard, flat(exact), flat(to_exact)),
+                    _close(f"{name} ring_reduce_scatter vs all_reduce", shard, flat(native), flat(to_native)),
+                ):
+                    if problem:
+                        bad.append(problem)
+                if n % p == 0 and n > 0 and op != ReduceOp.AVG:
+                    ref = torch.empty(n // p, dtype=dtype)
+                    dist.reduce_scatter_tensor(ref, xs[rank].reshape(-1).clone(), op, group=group)
+                    if problem := _close(f"{name} ring_reduce_scatter vs dist.reduce_scatter_tensor", shard, ref, flat(to_native)):
+                        bad.append(problem)
+                if op != ReduceOp.SUM:
+                    continue
+                # all-gather: every rank's chunk lands in place, bit for bit
+                whole = torch.full(shape, float("nan"), dtype=dtype)
+                ring_all_gather(whole, xs[rank].reshape(-1)[lo:hi].clone(), group)
+                want = torch.cat([xs[r].reshape(-1)[off[r] : off[r + 1]] for r in range(p)]).reshape(shape)
+                if not torch.equal(whole, want):
+                    bad.append(f"{name} ring_all_gather: differs from the concatenated shards")
+                if n % p == 0 and n > 0:
+                    ref = torch.empty(n, dtype=dtype)
+                    dist.all_gather_into_tensor(ref, xs[rank].reshape(-1)[lo:hi].clone(), group=group)
+                    if not torch.equal(whole.reshape(-1), ref):
+                        bad.append(f"{name} ring_all_gather: differs from dist.all_gather_into_tensor")
+                # broadcast from the last rank of the group
+                got = xs[rank].clone()
+                broadcast(got, src=p - 1, group=group)
+                if not torch.equal(got, xs[p - 1]):
+                    bad.append(f"{name} broadcast(src={p - 1}) differs from rank {p - 1}'s tensor")
+    # buffers are reused: a second and tenth call of the same size allocate nothing
+    pool = BufferPool()
+    x = torch.randn(10_001)
+    ring_all_reduce(x, group=group, pool=pool)
+    first = pool.allocations
+    for _ in range(9):
+        ring_all_reduce(x, group=group, pool=pool)
+    ring_reduce_scatter(torch.empty(chunk_sizes(10_001, p)[rank]), x, group=group, pool=pool)
+    if pool.allocations != first:
+        bad.append(f"[{tag}] BufferPool grew from {first} to {pool.allocations} allocations on repeated calls")
+    return bad
+
+
+def _ring_trace(world: int) -> list[tuple[str, int, int, int]]:
+    """(phase, step, chunk, bitmask of contributing ranks) for every receive on this rank."""
+    from labkit.collectives import ring_all_reduce
+
+    rank = dist.get_rank()
+    seen: list[tuple[str, int, int, int]] = []
+    # rank r contributes 2**r everywhere, so a partial sum spells out who is in it
+    x = torch.full((4 * world,), float(2**rank))
+    ring_all_reduce(x, trace=lambda phase, step, c, data: seen.append((phase, step, c, int(data[0].item()))))
+    return seen
+
+
+def _world(world: int) -> dict[str, object]:
+    out: dict[str, object] = {"whole": _cases(None, "world")}
+    # a subgroup that skips rank 0, so group ranks and global ranks differ
+    members = [0, 2] if world == 3 else list(range(1, world))
+    sub = dist.new_group(members)
+    if dist.get_rank() in members:
+        out["sub"] = _cases(sub, f"subgroup {members}")
+    if world == 4:
+        out["trace"] = _ring_trace(world)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_equal_to_torch_distributed(world: int) -> None:
+    results = launch(_world, world, world_size=world, timeout=100, quiet=True)
+    for rank, res in enumerate(results):
+        assert res["whole"] == [], f"rank {rank}:\n" + "\n".join(res["whole"])  # type: ignore[arg-type]
+        if "sub" in res:
+            assert res["sub"] == [], f"rank {rank}:\n" + "\n".join(res["sub"])  # type: ignore[arg-type]
+    assert sum("sub" in res for res in results) == (2 if world == 3 else world - 1)
+    if world == 4:  # the ring's invariant, read from a real run
+        for rank, res in enumerate(results):
+            trace = res["trace"]
+            assert len(trace) == 2 * (world - 1)  # type: ignore[arg-type]
+            for phase, step, chunk, mask in trace:  # type: ignore[union-attr]
+                if phase == "reduce-scatter":
+                    # after step s, rank r holds chunk r-s-2 summed over ranks r, r-1, ..., r-s-1
+                    assert chunk == (rank - step - 2) % world
+                    assert mask == sum(2 ** ((rank - k) % world) for k in range(step + 2))
+                else:  # all-gather forwards finished chunks: everyone's contribution
+                    assert chunk == (rank - step - 1) % world and mask == 2**world - 1
+
+
+def _bad_inputs() -> list[str]:
+    from labkit.collectives import naive_all_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+
+    rank = dist.get_rank()
+    errors: list[str] = []
+    attempts = [
+        lambda: ring_all_reduce(torch.zeros(10 + 2 * rank)),  # size differs across ranks
+        lambda: ring_all_reduce(torch.zeros(4), ReduceOp.PRODUCT),  # unsupported everywhere
+        lambda: ring_all_reduce(torch.zeros(4), ReduceOp.MAX if rank else ReduceOp.SUM),  # op differs
+        lambda: ring_all_reduce(torch.zeros(4, dtype=torch.float16 if rank else torch.float32)),
+        lambda: ring_all_reduce(torch.zeros(4, dtype=torch.int32)),
+        lambda: ring_reduce_scatter(torch.zeros(2), torch.zeros(5)),  # chunks are [3, 2]: rank 0's is wrong
+        lambda: ring_all_gather(torch.zeros(5 + rank), torch.zeros(3 - rank)),  # output size differs
+        lambda: naive_all_reduce(torch.zeros(4), root=7),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    x = torch.ones(5)  # the group still works after all that
+    ring_all_reduce(x)
+    errors.append(f"after: {x.tolist()}")
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_bad_inputs_give_clear_errors_on_every_rank_not_hangs() -> None:
+    r0, r1 = launch(_bad_inputs, world_size=2, timeout=45, quiet=True)
+    assert "disagree on numel (rank 0: 10, rank 1: 12)" in r0[0] and r0[0] == r1[0]
+    assert "unsupported reduce op PRODUCT" in r0[1] and r0[1] == r1[1]
+    assert "disagree on reduce op" in r0[2] and r0[2] == r1[2]
+    assert "disagree on dtype" in r0[3] and r0[3] == r1[3]
+    assert "unsupported dtype torch.int32" in r0[4] and r0[4] == r1[4]
+    assert r0[5] == "ring_reduce_scatter: output_shard must have 3 elements on this rank, got 2"
+    assert "rank 0 rejected its arguments" in r1[5]
+    assert "disagree on numel of output_full (rank 0: 5, rank 1: 6)" in r0[6] and r0[6] == r1[6]
+    assert "root must be a rank of the group (0..1), got 7" in r0[7] and r0[7] == r1[7]
+    assert r0[-1] == r1[-1] == "after: [2.0, 2.0, 2.0, 2.0, 2.0]"
+
+
+# ---- the cost model, against numbers worked out by hand --------------------------------------
+
+
+def test_alpha_beta_formulas_match_hand_computed_values() -> None:
+    a, b, d = 1e-5, 1e-9, 1e6  # 10 us, 1 GB/s, 1 MB
+    assert cm.ring_all_reduce_time(d, 4, a, b) == pytest.approx(6 * a + 1.5e-3)  # 2*3 steps, 2*3/4 MB
+    assert cm.naive_all_reduce_time(d, 4, a, b) == pytest.approx(6 * (a + 1e-3))
+    assert cm.ring_reduce_scatter_time(d, 4, a, b) == pytest.approx(3 * a + 0.75e-3)
+    assert cm.ring_all_gather_time(d, 4, a, b) == cm.ring_reduce_scatter_time(d, 4, a, b)
+    assert [cm.recursive_doubling_steps(p) for p in (1, 2, 3, 4, 5, 8, 1024)] == [0, 1, 3, 2, 4, 3, 10]
+    assert cm.recursive_doubling_time(d, 8, a, b) == pytest.approx(3 * (a + 1e-3))
+    assert cm.binomial_broadcast_time(d, 5, a, b) == pytest.approx(3 * (a + 1e-3))
+    assert cm.ring_all_reduce_time(d, 1, a, b) == 0.0
+    # large messages: naive is p times slower than the ring; tiny ones: the ring pays 2(p-1) alphas
+    assert cm.naive_all_reduce_time(1e12, 8, a, b) / cm.ring_all_reduce_time(1e12, 8, a, b) == pytest.approx(8, rel=1e-6)
+    assert cm.ring_all_reduce_time(0, 1024, a, b) == pytest.approx(2046 * a)
+    # ring = rd at D = (6 - 2) a / ((2 - 1.5) b) = 8 a / b for p = 4; p = 2 never crosses
+    assert cm.crossover_bytes(4, a, b) == pytest.approx(8 * a / b)
+    x = cm.crossover_bytes(4, a, b)
+    assert cm.ring_all_reduce_time(x, 4, a, b) == pytest.approx(cm.recursive_doubling_time(x, 4, a, b))
+    assert cm.crossover_bytes(2, a, b) == math.inf
+    assert (cm.busbw_factor("all_reduce", 4), cm.busbw_factor("reduce_scatter", 4), cm.busbw_factor("all_gather", 2)) == (1.5, 0.75, 0.5)
+    with pytest.raises(ValueError, match="unknown collective 'alltoall'"):
+        cm.busbw_factor("alltoall", 4)
+    with pytest.raises(ValueError, match="p must be >= 1, got 0"):
+        cm.ring_all_reduce_time(d, 0, a, b)
+
+
+def test_fit_recovers_alpha_and_beta() -> None:
+    sizes = [4096 * 4**k for k in range(9)]
+    times = [80e-6 + s / 1.5e9 for s in sizes]
+    fit = cm.fit_alpha_beta(sizes, times)
+    assert fit.alpha == pytest.approx(80e-6, rel=1e-6) and fit.bandwidth == pytest.approx(1.5e9, rel=1e-6)
+    p = 4  # a ring all-reduce's times: the fit must give the link's alpha and beta back
+    ring = [cm.ring_all_reduce_time(s, p, 50e-6, 1e-9) for s in sizes]
+    fit = cm.fit_alpha_beta(sizes, ring, steps=2 * (p - 1), bytes_factor=2 * (p - 1) / p)
+    assert fit.alpha == pytest.approx(50e-6, rel=1e-6) and fit.beta == pytest.approx(1e-9, rel=1e-6)
+    with pytest.raises(ValueError, match=">= 2 points"):
+        cm.fit_alpha_beta([1.0], [1.0])
+
+
+def test_chunks_split_like_tensor_split() -> None:
+    for n, p in [(10, 4), (2, 4), (0, 3), (12, 3), (1, 1)]:
+        want = [len(c) for c in torch.arange(n).tensor_split(p)]
+        assert chunk_sizes(n, p) == want
+        assert chunk_offsets(n, p)[-1] == n
+
+
+@pytest.mark.timeout(90)
+def test_bench_records_follow_nccl_tests_definitions() -> None:
+    from labkit.collectives.bench import format_table, run_bench
+
+    records = run_bench(2, sizes=[4096, 65536], repeats=2, warmup=1, timeout=60)
+    assert {(r.op, r.impl) for r in records} == {(op, impl) for op in ("all_reduce", "reduce_scatter", "all_gather") for impl in ("ours", "torch")}
+    for r in records:
+        assert r.nbytes in (4096, 65536) and r.time_s > 0
+        assert r.algbw == pytest.approx(r.nbytes / r.time_s)
+        assert r.busbw == pytest.approx(r.algbw * cm.busbw_factor(r.op, 2))
+    assert "ours/torch" in format_table(records)

@@ -1,0 +1,226 @@
+"""The launcher's contract (labkit/launch.py docstring), one behaviour per test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.launch import JobTimeoutError, LaunchConfig, RankFailedError, launch
+from tests.conftest import processes_tagged
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# Worker functions. Module-level here, but the notebook test covers cell-defined ones.
+def _rank_info(offset):
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} says hi", flush=True)
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "sum_of_ranks": t.item() + offset,
+        "backend": dist.get_backend(),
+        "master_addr": os.environ["MASTER_ADDR"],
+        "threads": torch.get_num_threads(),
+        "tensor": torch.full((2,), float(dist.get_rank())),
+    }
+
+
+def test_returns_per_rank_values_in_rank_order(job_tag, capfd):
+    results = launch(_rank_info, 100, world_size=3, timeout=60, env={"LABKIT_TEST_TAG": job_tag})
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["world_size"] == 3 and r["sum_of_ranks"] == 103 for r in results)
+    assert all(r["backend"] == "gloo" for r in results)  # no GPU on CI
+    assert all(r["master_addr"] == "127.0.0.1" for r in results)  # rendezvous stays local
+    assert all(torch.equal(r["tensor"], torch.full((2,), float(r["rank"]))) for r in results)
+    # ranks share the cores instead of each taking all of them
+    assert all(r["threads"] == max(1, (os.cpu_count() or 1) // 3) for r in results)
+    out = capfd.readouterr().out
+    for rank in range(3):
+        assert f"[rank{rank}]: rank {rank} says hi" in out
+
+
+def _raise_on_rank_1_with_teardown():
+    # The trap from the field notes: tearing the group down in `finally` makes the
+    # bystanders fail with "Connection closed by peer", possibly before the culprit reports.
+    try:
+        if dist.get_rank() == 1:
+            time.sleep(0.2)
+            raise ValueError("bad batch on rank 1")
+        t = torch.zeros(1)
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_raising_rank_is_named_with_its_traceback_fast(job_tag, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(_raise_on_rank_1_with_teardown, world_size=3, timeout=60, log_dir=tmp_path, env={"LABKIT_TEST_TAG": job_tag})
+    caught = time.time()
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert "bad batch on rank 1" in str(err)
+    assert 'raise ValueError("bad batch on rank 1")' in err.rank_traceback
+    assert "_raise_on_rank_1_with_teardown" in err.rank_traceback
+    # From the raise to the exception in the caller: well under the launch cost itself.
+    record = json.loads(next(tmp_path.glob("*/error.1.json")).read_text())
+    assert caught - record["time"] < 2.0, f"failure took {caught - record['time']:.2f}s to surface"
+    assert time.monotonic() - start < 30
+    # Every rank's log stays on disk.
+    assert err.log_dir is not None and any(err.log_dir.rglob("stdout.log"))
+
+
+def _deadlock():
+    if dist.get_rank() == 0:
+        time.sleep(600)  # rank 0 never joins the collective
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+
+
+def test_hang_times_out_with_every_ranks_stack(job_tag):
+    start = time.monotonic()
+    with pytest.raises(JobTimeoutError) as info:
+        launch(_deadlock, world_size=2, timeout=6, env={"LABKIT_TEST_TAG": job_tag})
+    assert time.monotonic() - start < 20
+    stacks = info.value.stacks
+    assert set(stacks) == {0, 1}
+    assert "time.sleep(600)" not in stacks[0]  # faulthandler gives file/line/function
+    assert "_deadlock" in stacks[0] and "_deadlock" in stacks[1]
+    assert "all_reduce" in stacks[1]  # rank 1 is stuck in the collective
+    assert "_worker" not in str(info.value)  # launcher machinery trimmed away
+
+
+def _collective_timeout():
+    if dist.get_rank() == 0:
+        time.sleep(30)
+    dist.all_reduce(torch.zeros(1))
+
+
+def test_collectives_time_out_too(job_tag):
+    # Rank 1's all_reduce must give up on its own, well before the job's wall clock.
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(_collective_timeout, world_size=2, timeout=60, collective_timeout=3, env={"LABKIT_TEST_TAG": job_tag})
+    assert info.value.rank == 1
+    assert "timed out" in str(info.value).lower() or "timeout" in str(info.value).lower()
+    assert time.monotonic() - start < 20
+
+
+def _fail_first_attempt(marker_dir):
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and dist.get_rank() == 1:
+        raise RuntimeError("transient failure")
+    return attempt
+
+
+def test_max_restarts_reruns_the_group(job_tag, tmp_path):
+    assert launch(_fail_first_attempt, str(tmp_path), world_size=2, timeout=60, max_restarts=1, env={"LABKIT_TEST_TAG": job_tag}) == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be >= 1, got 0"),
+        ({"world_size": -2}, "world_size must be >= 1, got -2"),
+        ({"world_size": "2"}, "world_size must be an int, got '2'"),
+        ({"backend": "mpi"}, "backend must be 'gloo', 'nccl' or None, got 'mpi'"),
+        ({"backend": "nccl"}, "needs one GPU per rank: world_size=2 but 0 GPU(s) visible"),
+        ({"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+        ({"max_restarts": -1}, "max_restarts must be >= 0, got -1"),
+    ],
+)
+def test_bad_input_fails_before_any_process_starts(kwargs, message, monkeypatch):
+    if kwargs.get("backend") == "nccl" and torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        launch(_rank_info, 0, **kwargs)
+
+
+def test_uncallable_fn_is_rejected(monkeypatch):
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    with pytest.raises(TypeError, match="needs a callable.*int: 42"):
+        launch(42)
+
+
+def test_launch_leaves_caller_signal_handlers_and_environment_alone(job_tag):
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    before = {s: signal.getsignal(s) for s in signals}
+    env_before = dict(os.environ)
+    launch(_rank_info, 0, world_size=2, timeout=60, quiet=True, env={"LABKIT_TEST_TAG": job_tag})
+    assert {s: signal.getsignal(s) for s in signals} == before
+    assert dict(os.environ) == env_before
+
+
+_INTERRUPT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import labkit
+    def sleepy():
+        print("ready", flush=True)
+        time.sleep(600)
+    try:
+        labkit.launch(sleepy, world_size=2, timeout=300, env={"LABKIT_TEST_TAG": sys.argv[1]})
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+        sys.exit(3)
+    """
+)
+
+
+def test_interrupt_kills_every_rank(job_tag, tmp_path):
+    script = tmp_path / "interrupt.py"
+    script.write_text(_INTERRUPT_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), job_tag], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    ready = 0
+    deadline = time.monotonic() + 60
+    while ready < 2 and time.monotonic() < deadline:
+        ready += "ready" in proc.stdout.readline()
+    assert ready == 2, "ranks never started"
+    assert len(processes_tagged(job_tag)) >= 3  # the agent and both ranks are alive
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and "INTERRUPTED" in out
+    assert time.monotonic() - start < 10
+    # job_tag's teardown asserts that nothing survived
+
+
+def _tiny(x):
+    return x * 10 + dist.get_rank()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_twenty_concurrent_launches_never_collide(job_tag):
+    def one(i):
+        return launch(_tiny, i, world_size=2, timeout=180, quiet=True, env={"LABKIT_TEST_TAG": job_tag})
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        results = list(pool.map(one, range(20)))
+    assert results == [[i * 10, i * 10 + 1] for i in range(20)]
+
+
+def test_config_is_validated_dataclass():
+    cfg = LaunchConfig(world_size=4)
+    assert cfg.backend == "gloo" and cfg.start_method == "fork"
+    assert labkit.launch is launch
