@@ -1,0 +1,125 @@
+"""The analytic memory model of ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054, section 5).
+
+Model states for Psi parameters trained with Adam in mixed precision: fp16 parameters (2Psi),
+fp16 gradients (2Psi) and K*Psi bytes of optimizer state, K = 12 for Adam (fp32 master
+weights 4 + momentum 4 + variance 4). With N data-parallel ranks, per rank:
+
+============  ==========================  ============================
+stage         bytes per rank              Psi=7.5B, K=12, N=64
+============  ==========================  ============================
+DDP           (2 + 2 + K) Psi             120 GB
+ZeRO-1 (os)   2Psi + 2Psi + K Psi / N     31.4 GB
+ZeRO-2 (os+g) 2Psi + (2 + K) Psi / N      16.6 GB
+ZeRO-3 (all)  (2 + 2 + K) Psi / N         1.88 GB
+============  ==========================  ============================
+
+Pure fp32 training (what labkit runs on CPU) has no separate master copy: parameters 4,
+gradients 4, Adam moments 8 bytes per parameter, the same formulas with (4, 4, 8).
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 1): one
+transformer layer stores ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit training without
+parallelism, for sequence length s, micro-batch b, hidden size h and a attention heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+
+__all__ = [
+    "STAGES",
+    "Precision",
+    "MIXED_ADAM",
+    "FP32_ADAM",
+    "ModelStates",
+    "model_states",
+    "transformer_activation_bytes",
+    "communication_bytes",
+    "zero_table1",
+    "paper_round",
+]
+
+STAGES = ("ddp", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state."""
+
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int  # the paper's K
+
+    def __post_init__(self) -> None:
+        if min(self.param_bytes, self.grad_bytes, self.optim_bytes) < 0:
+            raise ValueError(f"bytes per parameter must be >= 0, got {self}")
+
+
+MIXED_ADAM = Precision(2, 2, 12)  # the paper's setting
+FP32_ADAM = Precision(4, 4, 8)  # plain fp32 Adam: moments only, params are the master copy
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Predicted bytes per rank of each model state."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def model_states(stage: str, psi: float, world_size: int, precision: Precision = MIXED_ADAM) -> ModelStates:
+    """Bytes per rank for ``stage`` in ``STAGES`` (see the module table)."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    if world_size < 1 or psi < 0:
+        raise ValueError(f"need world_size >= 1 and psi >= 0, got world_size={world_size}, psi={psi}")
+    n = world_size
+    p, g, k = precision.param_bytes * psi, precision.grad_bytes * psi, precision.optim_bytes * psi
+    shard_p = stage == "zero3"
+    shard_g = stage in ("zero2", "zero3")
+    shard_os = stage != "ddp"
+    return ModelStates(p / n if shard_p else p, g / n if shard_g else g, k / n if shard_os else k)
+
+
+def transformer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, layers: int = 1) -> float:
+    """Korthikanti et al. 2022: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer (16-bit, no parallelism).
+
+    34 sbh: the layer's 16-bit inputs/outputs of LayerNorms, QKV, projections, GeLU and
+    MLP (with 1-byte dropout masks); 5as^2b: the softmax input, output and dropout mask.
+    """
+    s, b, h, a = seq, batch, hidden, heads
+    return layers * s * b * h * (34 + 5 * a * s / h)
+
+
+def communication_bytes(stage: str, psi: float, elem_bytes: int = 2) -> float:
+    """Bytes each rank sends per step (ZeRO section 7), counting a ring's Psi-sized share.
+
+    A ring all-reduce of Psi elements is a reduce-scatter plus an all-gather, each sending
+    (N-1)/N * Psi ~ Psi per rank: 2Psi for DDP. ZeRO-1/2 replace it by exactly those two
+    halves (reduce-scatter the gradients, all-gather the updated parameters): still 2Psi.
+    ZeRO-3 all-gathers the parameters twice (forward and backward) and reduce-scatters the
+    gradients once: 3Psi, 1.5x DDP.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    return (3 if stage == "zero3" else 2) * psi * elem_bytes
+
+
+def paper_round(x: float) -> float:
+    """The rounding of ZeRO's Table 1: 1 decimal from 10 GB up, else 2; halves round up."""
+    places = Decimal("0.1") if x >= 10 else Decimal("0.01")
+    return float(Decimal(repr(x)).quantize(places, rounding=ROUND_HALF_UP))
+
+
+def zero_table1(psi: float = 7.5e9, k: int = 12, dp: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)) -> dict[int, tuple[float, ...]]:
+    """Rows of ZeRO Table 1: ``{N: (baseline, P_os, P_os+g, P_os+g+p)}`` in GB (1e9 bytes)."""
+    prec = Precision(2, 2, k)
+    return {
+        n: tuple(paper_round(model_states(s, psi, n, prec).total / 1e9) for s in STAGES)
+        for n in dp
+    }

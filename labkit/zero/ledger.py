@@ -1,0 +1,97 @@
+"""The measured memory ledger: run a few training steps of one stage under the tracker.
+
+Call :func:`measure` on every rank (inside :func:`labkit.launch`). It returns, for this rank,
+the bytes per category (current after the last step and peak over the steps), the bytes
+sent per collective, and the prediction of :mod:`labkit.memory.model` for the same run, so
+callers can put measured next to predicted.
+
+How allocations get their category: the ZeRO classes label the buffers they own (flat
+parameters, gradient buffers or shards, Adam moments, communication buffers) through their
+``label`` hook; everything allocated in forward is an activation; whatever else appears
+during backward and ``step`` (autograd's per-parameter gradients before they are reduced,
+Adam's scratch, all-gather inputs) is a temporary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from labkit.memory import tracker_for
+from labkit.memory.model import FP32_ADAM, communication_bytes, model_states
+from labkit.zero.adam import AdamConfig
+from labkit.zero.stage1 import DDPAdam, ZeRO1
+from labkit.zero.stage2 import ZeRO2
+from labkit.zero.stage3 import ZeRO3
+
+__all__ = ["STAGE_CLASSES", "make_optimizer", "measure"]
+
+STAGE_CLASSES: dict[str, type[ZeRO1]] = {"ddp": DDPAdam, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}
+
+
+def make_optimizer(stage: str, model: nn.Module, cfg: AdamConfig | None = None, **kwargs: Any) -> ZeRO1:
+    """``STAGE_CLASSES[stage](model, cfg, **kwargs)`` with a clear error for a bad name."""
+    if stage not in STAGE_CLASSES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {sorted(STAGE_CLASSES)}")
+    if stage != "zero3":
+        kwargs.pop("prefetch", None)
+    return STAGE_CLASSES[stage](model, cfg, **kwargs)
+
+
+def measure(
+    stage: str,
+    build_model: Callable[[], nn.Module],
+    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    steps: int = 2,
+    cfg: AdamConfig | None = None,
+    device: torch.device | None = None,
+    **opt_kwargs: Any,
+) -> dict[str, Any]:
+    """Train ``steps`` steps of ``stage`` on this rank under the tracker; return the ledger.
+
+    ``batch(rank, step) -> (x, y)`` gives this rank's micro-batch; ``loss_fn(model, x, y)``.
+    """
+    device = device or torch.device("cpu")
+    with tracker_for(device) as mt:
+        model = build_model().to(device)
+        opt = make_optimizer(stage, model, cfg, label=mt.register, **opt_kwargs)
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        mt.register(frozen, "parameters")
+        mt.reset_peak()
+        opt.comm.reset()
+        for step in range(steps):
+            x, y = batch(opt.rank, step)
+            opt.zero_grad()
+            with mt.category("activations"):
+                loss = loss_fn(model, x, y)
+            with mt.category("temporaries"):
+                loss.backward()
+                del loss
+                opt.step()
+            del x, y
+        ledger = mt.ledger()
+    psi = sum(p.numel() for p in opt.managed())
+    n = opt.world_size
+    pred = model_states(stage, psi, n, FP32_ADAM)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+    return {
+        "stage": stage,
+        "world_size": n,
+        "psi": psi,
+        "current": ledger.current,
+        "peak": ledger.peak,
+        "at_peak": ledger.at_peak,
+        "peak_bytes": ledger.peak_bytes,
+        "predicted": {
+            "parameters": pred.parameters + frozen_bytes,
+            "gradients": pred.gradients,
+            "optimizer_state": pred.optimizer_state,
+        },
+        "sent_per_step": {k: v / steps for k, v in opt.comm.sent.items()},
+        "sent_predicted": communication_bytes(stage, psi, elem_bytes=4) * (n - 1) / n,
+    }

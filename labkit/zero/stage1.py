@@ -1,0 +1,190 @@
+"""ZeRO-1: shard the optimizer state (Rajbhandari et al. 2019, "P_os").
+
+Every rank keeps the full parameters and full gradients, but Adam's two fp32 moments only
+for its 1/N shard of a flat buffer (:mod:`labkit.zero.partition`). One step::
+
+    grads (full, every rank) --reduce-scatter--> my averaged grad shard     sends (N-1)/N Psi
+    AdamW on my shard only (params, m, v of my shard)                       K Psi / N memory
+    my updated param shard --all-gather--> full params on every rank        sends (N-1)/N Psi
+
+Communication: a reduce-scatter plus an all-gather is exactly what a ring all-reduce does
+internally, so ZeRO-1 costs the same 2Psi per rank as DDP while cutting the optimizer state
+from K Psi to K Psi / N. Memory per rank: 4Psi params + 4Psi grads + 8Psi/N Adam (fp32).
+
+:class:`DDPAdam` (stage 0, the baseline) all-reduces the same flat gradients and runs AdamW on
+every element on every rank: memory (4 + 4 + 8) Psi.
+
+Parameters are grouped into *units* (default: the trainable parameters each module owns
+directly), each unit one flat buffer padded to a multiple of N. Frozen parameters
+(``requires_grad=False``) are not managed: they stay as they are on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from labkit.zero.adam import AdamConfig, adamw_
+from labkit.zero.comm import Comm
+from labkit.zero.partition import FlatLayout, flat_layout, flatten_into, param_views
+
+__all__ = ["Unit", "default_units", "ZeRO1", "DDPAdam"]
+
+Label = Callable[[torch.Tensor, str], None]  # (tensor, memory category): the ledger's hook
+
+
+@dataclass(eq=False)
+class Unit:
+    """Parameters that share one flat buffer, and this rank's state for them."""
+
+    params: list[nn.Parameter]
+    names: list[str]
+    layout: FlatLayout
+    shapes: list[torch.Size]  # recorded once: a sharded-away parameter has shape (0,)
+    flat: torch.Tensor | None = None  # (padded,) full params; None while sharded away (ZeRO-3)
+    shard: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # (shard_size,) my params
+    grad: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # full (stage 0/1) or shard
+    exp_avg: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    exp_avg_sq: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+
+def default_units(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+    """One unit per module with trainable parameters of its own; a shared (tied) parameter
+    goes to the first module that owns it."""
+    seen: set[int] = set()
+    units = []
+    for mod_name, mod in model.named_modules():
+        unit = []
+        for p_name, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                unit.append((f"{mod_name}.{p_name}" if mod_name else p_name, p))
+        if unit:
+            units.append(unit)
+    return units
+
+
+class ZeRO1:
+    """AdamW with the optimizer state sharded over ``group``. Call ``zero_grad``, backward
+    (as many times as there are micro-batches), then ``step``."""
+
+    shard_optimizer = True
+
+    def __init__(self, model: nn.Module, cfg: AdamConfig | None = None, *, group: ProcessGroup | None = None, comm_impl: str = "torch", label: Label | None = None) -> None:
+        self.model = model
+        self.cfg = cfg or AdamConfig()
+        self.comm = Comm(group, comm_impl)
+        self.group = group
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.label: Label = label or (lambda t, c: None)
+        self.step_count = 0
+        self.device = next(iter(model.parameters())).device
+        self.units: list[Unit] = []
+        for named in default_units(model):
+            names, params = [n for n, _ in named], [p for _, p in named]
+            layout = flat_layout([p.numel() for p in params], self.world_size)
+            self.units.append(Unit(params, names, layout, [p.shape for p in params]))
+        for u in self.units:
+            self._build(u)
+
+    # ----------------------------------------------------------------- construction
+    def _zeros(self, n: int, category: str) -> torch.Tensor:
+        t = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self.label(t, category)
+        return t
+
+    def _full_params(self, u: Unit) -> torch.Tensor:
+        """The unit's parameters as one (padded,) buffer, identical on every rank."""
+        flat = self._zeros(u.layout.padded, "parameters")
+        flatten_into(flat, u.layout, [p.detach() for p in u.params])
+        dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        return flat
+
+    def _build(self, u: Unit) -> None:
+        u.flat = self._full_params(u)
+        for p, view in zip(u.params, param_views(u.flat, u.layout, u.shapes)):
+            p.data = view  # the module now computes with a view into the flat buffer
+        lo, hi = u.layout.shard_range(self.rank) if self.shard_optimizer else (0, u.layout.padded)
+        u.shard = u.flat[lo:hi]  # my parameters: a view, so all-gather's output updates them
+        u.exp_avg, u.exp_avg_sq = self._zeros(hi - lo, "optimizer_state"), self._zeros(hi - lo, "optimizer_state")
+        u.grad = self._zeros(u.layout.padded, "gradients")
+        for p, view in zip(u.params, param_views(u.grad, u.layout, u.shapes)):
+            p.grad = view  # autograd accumulates in place into the flat gradient buffer
+
+    # ----------------------------------------------------------------- training
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad.zero_()
+
+    def _adopt_grads(self, u: Unit) -> None:
+        """If someone replaced ``p.grad`` (``model.zero_grad()`` sets None), copy it back in."""
+        for p, view in zip(u.params, param_views(u.grad, u.layout, u.shapes)):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+
+    def _grad_shard(self, u: Unit) -> torch.Tensor:
+        """Reduce-scatter the full gradients: my shard of their average over ranks."""
+        self._adopt_grads(u)
+        g = self._zeros(u.layout.shard_size, "temporaries")
+        self.comm.reduce_scatter(g, u.grad)
+        return g.div_(self.world_size)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.step_count += 1
+        for u in self.units:
+            g = self._grad_shard(u)
+            adamw_(u.shard, g, u.exp_avg, u.exp_avg_sq, self.step_count, self.cfg)
+            del g
+            self._publish(u)
+
+    def _publish(self, u: Unit) -> None:
+        """All-gather the updated shards into every rank's full parameters."""
+        assert u.flat is not None
+        self.comm.all_gather(u.flat, u.shard.clone())  # clone: the input must not alias the output
+
+    # ----------------------------------------------------------------- inspection
+    def _gather_full(self, shard: torch.Tensor, u: Unit) -> torch.Tensor:
+        if shard.numel() == u.layout.padded:
+            return shard
+        full = torch.empty(u.layout.padded, device=shard.device)
+        self.comm.all_gather(full, shard.contiguous())
+        return full
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Consolidate on rank 0 (collective: every rank must call it): ``{"params", "exp_avg",
+        "exp_avg_sq"}`` each ``{name: full tensor}``, plus ``step``. Other ranks get None."""
+        out: dict[str, dict[str, torch.Tensor]] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for u in self.units:
+            for key, shard in (("params", u.shard), ("exp_avg", u.exp_avg), ("exp_avg_sq", u.exp_avg_sq)):
+                full = self._gather_full(shard, u)
+                for name, view in zip(u.names, param_views(full, u.layout, u.shapes)):
+                    out[key][name] = view.clone()
+        out["step"] = {"step": torch.tensor(self.step_count)}
+        return out if self.rank == 0 else None
+
+    def managed(self) -> Sequence[nn.Parameter]:
+        return [p for u in self.units for p in u.params]
+
+
+class DDPAdam(ZeRO1):
+    """Stage 0, the baseline: all-reduce the gradients, every rank runs AdamW on everything."""
+
+    shard_optimizer = False
+
+    def _grad_shard(self, u: Unit) -> torch.Tensor:
+        self._adopt_grads(u)
+        self.comm.all_reduce(u.grad)
+        return u.grad.div_(self.world_size)
+
+    def _publish(self, u: Unit) -> None:
+        return None  # every rank updated every element already
