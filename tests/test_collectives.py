@@ -69,7 +69,7 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     bad: list[str] = []
-    shapes = [(), (0,), (1,), (p - 1,), (p + 1,), (7,), (3, 67), (4 * p,)]
+    shapes = [(), (0,), (p - 1,), (p + 1,), (3, 67), (4 * p,)]  # 0-d, empty, < p, uneven, divisible
     case = 0
     for shape in shapes:
         n = math.prod(shape)
@@ -109,7 +109,10 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
                 shard = torch.empty(size[rank], dtype=dtype)
                 ring_reduce_scatter(shard, xs[rank], op, group)
                 lo, hi = off[rank], off[rank + 1]
-                flat = lambda t: t.reshape(-1)[lo:hi]  # noqa: E731
+
+                def flat(t: torch.Tensor, lo: int = lo, hi: int = hi) -> torch.Tensor:
+                    return t.reshape(-1)[lo:hi]
+
                 for problem in (
                     _close(f"{name} ring_reduce_scatter vs exact", shard, flat(exact), flat(to_exact)),
                     _close(f"{name} ring_reduce_scatter vs all_reduce", shard, flat(native), flat(to_native)),
@@ -199,7 +202,12 @@ def test_equal_to_torch_distributed(world: int) -> None:
 
 
 def _bad_inputs() -> list[str]:
-    from labkit.collectives import naive_all_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+    from labkit.collectives import (
+        naive_all_reduce,
+        ring_all_gather,
+        ring_all_reduce,
+        ring_reduce_scatter,
+    )
 
     rank = dist.get_rank()
     errors: list[str] = []
@@ -210,7 +218,7 @@ def _bad_inputs() -> list[str]:
         lambda: ring_all_reduce(torch.zeros(4, dtype=torch.float16 if rank else torch.float32)),
         lambda: ring_all_reduce(torch.zeros(4, dtype=torch.int32)),
         lambda: ring_reduce_scatter(torch.zeros(2), torch.zeros(5)),  # chunks are [3, 2]: rank 0's is wrong
-        lambda: ring_all_gather(torch.zeros(5 + rank), torch.zeros(3 - rank)),  # output size differs
+        lambda: ring_all_gather(torch.zeros(5 + rank), torch.zeros(3)),  # output size differs
         lambda: naive_all_reduce(torch.zeros(4), root=7),
     ]
     for attempt in attempts:
