@@ -75,7 +75,7 @@ def measure(
                 opt.step()
             del x, y
         ledger = mt.ledger()
-    psi = sum(p.numel() for p in opt.managed())
+    psi = opt.num_params
     n = opt.world_size
     pred = model_states(stage, psi, n, FP32_ADAM)
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)

@@ -2,10 +2,12 @@
 
 ZeRO keeps a group of parameters as ONE flat fp32 buffer so that a single reduce-scatter
 hands every rank its contiguous shard of the gradients and a single all-gather rebuilds the
-parameters. Layout for parameters of ``numels = (5, 3, 4)`` on ``world_size = 3``::
+parameters. Layout for parameters of ``numels = (5, 3, 3)`` on ``world_size = 3``::
 
-    flat  : [ p0 p0 p0 p0 p0 | p1 p1 p1 | p2 p2 p2 p2 | pad ]   total 12, padded 15
-    shards: [ rank 0: 0..5  ][ rank 1: 5..10  ][ rank 2: 10..15 ]  shard_size 5
+    flat  : [ p0 p0 p0 p0 p0 | p1 p1 p1 | p2 p2 p2 | pad ]   total 11, padded 12
+    shards: [ rank 0: 0..4 ][ rank 1: 4..8 ][ rank 2: 8..12 ]  shard_size 4
+
+p0 straddles ranks 0 and 1: rank 0 owns its elements 0..4, rank 1 its element 4.
 
 Invariants (tested without processes):
 

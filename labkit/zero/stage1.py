@@ -175,6 +175,11 @@ class ZeRO1:
     def managed(self) -> Sequence[nn.Parameter]:
         return [p for u in self.units for p in u.params]
 
+    @property
+    def num_params(self) -> int:
+        """Psi: the trainable parameters managed (frozen ones excluded, padding excluded)."""
+        return sum(u.layout.total for u in self.units)
+
 
 class DDPAdam(ZeRO1):
     """Stage 0, the baseline: all-reduce the gradients, every rank runs AdamW on everything."""
