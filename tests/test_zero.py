@@ -46,7 +46,7 @@ def test_partition_invariants(numels, world_size):
     owner = {}  # (param, element) -> rank: every element exactly once, at the right place
     for r in range(world_size):
         for pc in lay.pieces(r):
-            assert 0 <= pc.shard_start and pc.shard_start + pc.length <= lay.shard_size
+            assert pc.shard_start >= 0 and pc.shard_start + pc.length <= lay.shard_size
             flat_pos = lay.offsets[pc.param] + pc.param_start
             assert flat_pos == ranges[r][0] + pc.shard_start
             for e in range(pc.param_start, pc.param_start + pc.length):
@@ -192,7 +192,7 @@ def test_every_stage_equals_single_process_adamw(world_size):
                 continue
             st = ref_opt.state[p]
             for key, want in (("params", p.detach()), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
-                torch.testing.assert_close(sd[key][name], want, atol=1e-6, rtol=1e-5, msg=lambda m, k=key, nm=name: f"{what}, {k} of {nm}: {m}")
+                torch.testing.assert_close(sd[key][name], want, atol=1e-6, rtol=1e-5, msg=lambda m, w=what, k=key, nm=name: f"{w}, {k} of {nm}: {m}")
 
 
 # --------------------------------------------------------------------------- the ledger
