@@ -68,6 +68,7 @@ __all__ = [
     "JobTimeoutError",
     "launch",
     "choose_backend",
+    "describe_machine",
     "local_device",
     "seed_everything",
     "run_from_env",
@@ -187,6 +188,19 @@ class LaunchConfig:
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         self.backend = choose_backend(self.world_size, self.backend)
+
+
+def describe_machine() -> dict[str, Any]:
+    """What this machine offers a distributed job: the facts notebook 00 opens with."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "torch": torch.__version__,
+        "cpu cores": os.cpu_count(),
+        "GPUs": [torch.cuda.get_device_name(i) for i in range(gpus)],
+        "gloo available": dist.is_gloo_available(),
+        "nccl available": dist.is_nccl_available(),
+        "backend for 2 ranks": choose_backend(2),
+    }
 
 
 def choose_backend(world_size: int, backend: str | None = None) -> str:

@@ -1,0 +1,76 @@
+"""Exercise mechanics: generated from solutions, never stale, stubs raise and nothing else fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("make_exercises", ROOT / "tools" / "make_exercises.py")
+assert spec and spec.loader
+make_exercises = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(make_exercises)
+
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+
+
+def test_fenced_region_becomes_a_stub_at_its_indentation():
+    source = "def f(x):\n    ### BEGIN SOLUTION (hint: one line)\n    return x + 1\n    ### END SOLUTION\nprint(f)"
+    assert make_exercises.strip_solutions(source, "t") == (
+        "def f(x):\n    # YOUR CODE HERE (hint: one line)\n"
+        '    raise NotImplementedError("exercise: replace this line with your code")\nprint(f)'
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("### BEGIN SOLUTION\nx = 1", "never closed"),
+        ("x = 1\n### END SOLUTION", "END SOLUTION without BEGIN"),
+        ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION", "inside another"),
+    ],
+)
+def test_unbalanced_fences_are_errors(source, message):
+    with pytest.raises(make_exercises.FenceError, match=message):
+        make_exercises.strip_solutions(source, "t")
+
+
+def test_every_exercise_is_generated_from_its_solution_and_notebooks_are_clean():
+    # Fails when a solution changed without regenerating, or a notebook was committed with outputs.
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "make_exercises.py"), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert {p.name for p in EXERCISES} == {p.name for p in (ROOT / "solutions").glob("*.ipynb")}
+
+
+def test_stale_exercise_is_detected(tmp_path, monkeypatch):
+    solutions, exercises = tmp_path / "solutions", tmp_path / "exercises"
+    solutions.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION")]
+    nbformat.write(nb, solutions / "01_x.ipynb")
+    for name in ("ROOT", "SOLUTIONS", "EXERCISES"):
+        monkeypatch.setattr(make_exercises, name, {"ROOT": tmp_path, "SOLUTIONS": solutions, "EXERCISES": exercises}[name])
+    assert make_exercises.main(["--check"]) == 1  # missing
+    assert make_exercises.main([]) == 0
+    assert make_exercises.main(["--check"]) == 0
+    nb.cells[0].source = "import math\n" + nb.cells[0].source
+    nbformat.write(nb, solutions / "01_x.ipynb")
+    assert make_exercises.main(["--check"]) == 1  # the solution moved on
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", EXERCISES, ids=[p.stem for p in EXERCISES])
+def test_exercise_runs_with_no_error_but_its_stubs(path):
+    # nbval's raises-exception tag also passes when nothing raises, so it cannot prove this.
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(path.parent)}}).execute()
+    errors = [(i, out) for i, cell in enumerate(nb.cells) if cell.cell_type == "code" for out in cell.outputs if out.output_type == "error"]
+    assert errors, f"{path.name}: no cell raised, so the stubs do not stop the learner"
+    for i, out in errors:
+        assert out.ename == "NotImplementedError", f"{path.name} cell {i} raised {out.ename}: {out.evalue}"
