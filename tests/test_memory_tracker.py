@@ -92,3 +92,18 @@ def test_adam_state_is_twice_the_parameters():
         assert mt.peak_by_category()["temporaries"] > 0
         opt.zero_grad(set_to_none=True)
         assert mt.current_by_category()["gradients"] == 0
+
+
+def test_storage_resize_is_followed():
+    # FSDP frees unsharded parameters with untyped_storage().resize_(0) and refills them later
+    original = torch.UntypedStorage.resize_
+    with MemoryTracker() as mt:
+        x = torch.empty(100)
+        x.untyped_storage().resize_(0)
+        assert mt.current_bytes == 0
+        x.untyped_storage().resize_(800)
+        assert mt.current_bytes == 800
+        del x
+        assert mt.current_bytes == 0
+    assert mt.peak_bytes == 800
+    assert torch.UntypedStorage.resize_ is original  # the patch is undone on exit

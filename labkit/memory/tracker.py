@@ -9,6 +9,7 @@ again when the storage dies. Invariants:
 * each untyped storage is counted exactly once (views, in-place ops and ``.grad`` aliases
   share a storage and add nothing);
 * ``current_bytes`` is the sum over live tracked storages, ``peak_bytes`` its running max;
+* ``UntypedStorage.resize_`` (how FSDP frees) is followed while the tracker is active;
 * each storage sits in exactly one category; ``register`` moves it (or starts tracking a
   tensor that was allocated before the tracker started, e.g. the model's parameters).
 
@@ -111,6 +112,38 @@ class MemoryTracker(TorchDispatchMode):
             if entry is not None:
                 self._current[entry[1]] -= entry[0]
                 self._total -= entry[0]
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage.resize_`` bypasses the dispatcher (FSDP frees and refills its unsharded
+        parameters that way): re-read the storage's size."""
+        key = id(storage)
+        with self._lock:
+            old = self._live.get(key)
+            if old is None:
+                if storage.nbytes():
+                    self._add(storage, self._default)
+                return
+            nbytes, cat = old
+            self._live[key] = (storage.nbytes(), cat)
+            self._current[cat] -= nbytes
+            self._total -= nbytes
+            self._bump(cat, storage.nbytes())
+
+    def __enter__(self) -> MemoryTracker:
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = orig(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

@@ -21,7 +21,7 @@ directly), each unit one flat buffer padded to a multiple of N. Frozen parameter
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +33,7 @@ from labkit.zero.adam import AdamConfig, adamw_
 from labkit.zero.comm import Comm
 from labkit.zero.partition import FlatLayout, flat_layout, flatten_into, param_views
 
-__all__ = ["Unit", "default_units", "ZeRO1", "DDPAdam"]
+__all__ = ["Unit", "make_units", "ZeRO1", "DDPAdam"]
 
 Label = Callable[[torch.Tensor, str], None]  # (tensor, memory category): the ledger's hook
 
@@ -42,6 +42,7 @@ Label = Callable[[torch.Tensor, str], None]  # (tensor, memory category): the le
 class Unit:
     """Parameters that share one flat buffer, and this rank's state for them."""
 
+    owner: nn.Module  # ZeRO-3 gathers the unit around this module's forward and backward
     params: list[nn.Parameter]
     names: list[str]
     layout: FlatLayout
@@ -53,19 +54,34 @@ class Unit:
     exp_avg_sq: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
-def default_units(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
-    """One unit per module with trainable parameters of its own; a shared (tied) parameter
-    goes to the first module that owns it."""
+def make_units(model: nn.Module, wrap: Sequence[nn.Module] | None = None) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """Group the trainable parameters into ``(owner module, [(name, param)])`` units.
+
+    ``wrap=None``: one unit per module that owns trainable parameters directly (finest
+    grain: least memory in ZeRO-3, most collectives). ``wrap=[blocks...]``: one unit per
+    listed module (all its parameters), the rest in one unit owned by ``model`` (FSDP's
+    wrapping policy). A shared (tied) parameter goes to the first unit that meets it.
+    """
     seen: set[int] = set()
-    units = []
-    for mod_name, mod in model.named_modules():
+    names = {id(p): n for n, p in model.named_parameters()}
+    units: list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]] = []
+
+    def take(owner: nn.Module, params: Iterable[nn.Parameter]) -> None:
         unit = []
-        for p_name, p in mod.named_parameters(recurse=False):
+        for p in params:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                unit.append((f"{mod_name}.{p_name}" if mod_name else p_name, p))
+                unit.append((names[id(p)], p))
         if unit:
-            units.append(unit)
+            units.append((owner, unit))
+
+    if wrap is None:
+        for mod in model.modules():
+            take(mod, mod.parameters(recurse=False))
+    else:
+        for mod in wrap:
+            take(mod, mod.parameters())
+        take(model, model.parameters())
     return units
 
 
@@ -75,7 +91,7 @@ class ZeRO1:
 
     shard_optimizer = True
 
-    def __init__(self, model: nn.Module, cfg: AdamConfig | None = None, *, group: ProcessGroup | None = None, comm_impl: str = "torch", label: Label | None = None) -> None:
+    def __init__(self, model: nn.Module, cfg: AdamConfig | None = None, *, group: ProcessGroup | None = None, comm_impl: str = "torch", wrap: Sequence[nn.Module] | None = None, label: Label | None = None) -> None:
         self.model = model
         self.cfg = cfg or AdamConfig()
         self.comm = Comm(group, comm_impl)
@@ -85,10 +101,10 @@ class ZeRO1:
         self.step_count = 0
         self.device = next(iter(model.parameters())).device
         self.units: list[Unit] = []
-        for named in default_units(model):
+        for owner, named in make_units(model, wrap):
             names, params = [n for n, _ in named], [p for _, p in named]
             layout = flat_layout([p.numel() for p in params], self.world_size)
-            self.units.append(Unit(params, names, layout, [p.shape for p in params]))
+            self.units.append(Unit(owner, params, names, layout, [p.shape for p in params]))
         for u in self.units:
             self._build(u)
 

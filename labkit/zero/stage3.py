@@ -49,14 +49,10 @@ class ZeRO3(ZeRO2):
         self._order: list[nn.Module] = []  # modules in forward order (recorded once)
         self._recording = True
         super().__init__(model, *args, **kwargs)
-        owner = {id(p): u for u in self.units for p in u.params}
-        self._needs: dict[nn.Module, list[Unit]] = {}
-        for mod in model.modules():
-            units = {id(owner[id(p)]): owner[id(p)] for p in mod.parameters(recurse=False) if id(p) in owner}
-            if units:
-                self._needs[mod] = list(units.values())
-                mod.register_forward_pre_hook(self._pre_forward)
-                mod.register_forward_hook(self._post_forward)
+        self._needs = self._units_needed_by_module(model)
+        for mod in self._needs:
+            mod.register_forward_pre_hook(self._pre_forward)
+            mod.register_forward_hook(self._post_forward)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         model.register_forward_pre_hook(lambda m, a: self._saved_hooks.__enter__(), prepend=True)
         model.register_forward_hook(lambda m, a, o: self._end_forward())
@@ -68,6 +64,26 @@ class ZeRO3(ZeRO2):
         u.shard = u.flat[lo:hi].clone()  # my parameters, own storage: the full buffer goes
         self.label(u.shard, "parameters")
         self._free(u)
+
+    def _units_needed_by_module(self, model: nn.Module) -> dict[nn.Module, list[Unit]]:
+        """A module gathers the units it owns, plus the unit of any parameter it uses directly
+        whose owner is not itself or an enclosing module (a tied weight owned elsewhere)."""
+        ancestors: dict[nn.Module, set[int]] = {}
+        for mod in model.modules():
+            ancestors.setdefault(mod, {id(mod)})
+            for child in mod.children():
+                ancestors.setdefault(child, ancestors[mod] | {id(child)})
+        unit_of = {id(p): u for u in self.units for p in u.params}
+        needs: dict[nn.Module, list[Unit]] = {}
+        for mod in model.modules():
+            units = [u for u in self.units if u.owner is mod]
+            for p in mod.parameters(recurse=False):
+                u = unit_of.get(id(p))
+                if u is not None and id(u.owner) not in ancestors[mod] and u not in units:
+                    units.append(u)
+            if units:
+                needs[mod] = units
+        return needs
 
     # ----------------------------------------------------------------- gather / free
     def _start_gather(self, u: Unit) -> None:
