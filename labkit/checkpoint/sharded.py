@@ -1,0 +1,293 @@
+"""Sharded training checkpoints: every rank writes its slice, one metadata file commits them.
+
+On-disk layout of one checkpoint (``root/step_00000042/``)::
+
+    metadata.json     format, step, world_size, sha256 + size of every file, and for every
+                      tensor: shape, dtype and which rank holds which flat range [start, end)
+    common.pt         rank 0: the non-tensor skeleton of the state (optimizer hyper-parameters,
+                      scaler, sampler position...) with a placeholder where each tensor was
+    shard_00003.pt    rank 3: its slice of every tensor, plus its own per-rank state (RNG)
+
+Why slices of *flattened* tensors: tensor ``k`` with ``n`` elements is cut into ``world_size``
+contiguous ranges of ``ceil(n / world_size)`` (the ZeRO partition). Any other world size
+can then read any range it needs -- the full tensor for a data-parallel replica, or just its
+own new ZeRO range -- by intersecting ranges recorded in the metadata: resharding is a pure
+function of the metadata, not of how many ranks wrote it. Per-rank state (RNG streams) does
+*not* reshard: 4 generators cannot become 3. :meth:`Checkpoint.rank_state` returns None
+when the world size changed; a run that must continue identically on a different world
+size derives its randomness from (seed, step, sample) instead (see :mod:`.drill`).
+
+Atomicity (a crash at any instant never destroys the previous good checkpoint):
+
+1. all ranks write into ``root/.tmp-step_00000042/``; each file is fsynced;
+2. rank 0 writes ``metadata.json`` (with every shard's sha256) last, fsyncs it and the folder;
+3. rank 0 renames the folder to ``step_00000042`` -- the commit, atomic on POSIX -- and fsyncs
+   ``root`` so the rename itself is durable; then drops all but the newest ``keep`` checkpoints
+   (renamed to ``.trash-*`` first, so a half-deleted folder never looks like a checkpoint).
+
+Readers only ever look at ``step_*`` folders, so a crash before step 3 leaves a ``.tmp-*``
+folder that is ignored (and cleaned by the next save). Loading checks every file's size and
+sha256 before unpickling, and unpickles with ``weights_only=True`` (tensors and plain
+containers only, never arbitrary code). Assumes a filesystem all ranks share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Checkpoint", "CheckpointError", "latest_step", "load_checkpoint", "save_checkpoint", "shard_range"]
+
+FORMAT = "labkit-sharded-v1"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TENSOR = "__labkit_tensor__"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
+
+
+def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The flat range ``[start, end)`` of a tensor with ``numel`` elements owned by ``rank``."""
+    chunk = math.ceil(numel / world_size) if numel else 0
+    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+
+
+# ------------------------------------------------------------------ state trees <-> tensors
+def _split(tree: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Replace every tensor in ``tree`` by a placeholder; collect them under '/'-joined keys."""
+    if isinstance(tree, torch.Tensor):
+        if path in tensors:
+            raise ValueError(f"two tensors map to the same checkpoint key {path!r}")
+        tensors[path] = tree
+        return {_TENSOR: path}
+    if isinstance(tree, dict):
+        return {k: _split(v, f"{path}/{k}", tensors) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_split(v, f"{path}/{i}", tensors) for i, v in enumerate(tree))
+    return tree
+
+
+def _join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_TENSOR}:
+            return tensors[skeleton[_TENSOR]]
+        return {k: _join(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list | tuple):
+        return type(skeleton)(_join(v, tensors) for v in skeleton)
+    return skeleton
+
+
+# ------------------------------------------------------------------ durable files
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data``, flush it to the disk, return its size and sha256 for the metadata."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def latest_step(root: str | Path) -> int | None:
+    """The newest *committed* checkpoint step under ``root`` (temp folders are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = [int(m[1]) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "metadata.json").is_file()]
+    return max(steps, default=None)
+
+
+# ------------------------------------------------------------------ save
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    state: dict[str, Any],
+    *,
+    rank_state: dict[str, Any] | None = None,
+    keep: int = 3,
+    group: dist.ProcessGroup | None = None,
+    before_commit: Callable[[], None] | None = None,
+) -> Path:
+    """Save ``state`` (replicated on every rank: model, optimizer, scaler, sampler...) as
+    slices, plus this rank's ``rank_state`` (RNG...). Collective over ``group``: every rank
+    calls it. Returns the committed folder once every rank's shard is durable.
+
+    ``before_commit`` runs on every rank after its shard is on disk and before anything is
+    committed: a hook for fault-injection tests. Works without a process group (world of 1).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    world_size = dist.get_world_size(group) if distributed else 1
+    root = Path(root)
+    tmp, final = root / f".tmp-step_{step:08d}", _step_dir(root, step)
+
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of this step
+        tmp.mkdir()
+    if distributed:
+        dist.barrier(group)
+
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(state, "", tensors)
+    slices: dict[str, torch.Tensor] = {}
+    table: dict[str, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        start, end = shard_range(t.numel(), rank, world_size)
+        # .clone(): save only the slice, not the whole storage the view points into
+        slices[key] = t.detach().reshape(-1)[start:end].clone().cpu()
+        table[key] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()}
+    name = f"shard_{rank:05d}.pt"
+    mine = {name: _write_durable(tmp / name, _to_bytes({"slices": slices, "rank_state": rank_state or {}}))}
+    if before_commit is not None:
+        before_commit()
+
+    gathered: list[Any] = [None] * world_size
+    if distributed:
+        dist.all_gather_object(gathered, mine, group=group)
+    else:
+        gathered = [mine]
+
+    if rank == 0:
+        files = {k: v for part in gathered for k, v in part.items()}
+        files["common.pt"] = _write_durable(tmp / "common.pt", _to_bytes({"skeleton": skeleton}))
+        for entry in table.values():
+            entry["slices"] = [[r, *shard_range(entry["numel"], r, world_size)] for r in range(world_size)]
+        meta = {"format": FORMAT, "step": step, "world_size": world_size, "time": time.time(),
+                "files": files, "tensors": table}  # fmt: skip
+        _write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (after resuming from an older one)
+            os.rename(final, root / f".trash-{final.name}-{time.time_ns()}")
+        os.rename(tmp, final)  # the commit
+        _fsync_dir(root)
+        _prune(root, keep)
+    if distributed:
+        dist.barrier(group)  # nobody moves on until the checkpoint is committed
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    committed = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
+    for old in committed[:-keep]:
+        trash = root / f".trash-{old.name}-{time.time_ns()}"
+        os.rename(old, trash)
+    for debris in root.glob(".trash-*"):
+        shutil.rmtree(debris, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ load
+class Checkpoint:
+    """A verified, committed checkpoint. Reads any world size's shards for any world size."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        meta_file = path / "metadata.json"
+        if not meta_file.is_file():
+            raise CheckpointError(f"checkpoint {path} has no metadata file {meta_file}")
+        try:
+            self.meta = json.loads(meta_file.read_text())
+        except ValueError as exc:
+            raise CheckpointError(f"metadata file {meta_file} is not valid JSON: {exc}") from exc
+        if self.meta.get("format") != FORMAT:
+            raise CheckpointError(f"{meta_file}: unknown format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        self.step: int = self.meta["step"]
+        self.world_size: int = self.meta["world_size"]
+        self._cache: dict[str, Any] = {}
+        for name in self.meta["files"]:  # fail now, naming the file, not halfway through a load
+            self._read(name, verify_only=True)
+
+    def _read(self, name: str, verify_only: bool = False) -> Any:
+        if name in self._cache:
+            return self._cache[name]
+        file, expected = self.path / name, self.meta["files"][name]
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file is missing: {file}")
+        data = file.read_bytes()
+        if len(data) != expected["bytes"]:
+            raise CheckpointError(f"checkpoint file is truncated: {file} has {len(data)} bytes, expected {expected['bytes']}")
+        if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+            raise CheckpointError(f"checkpoint file is corrupt (sha256 mismatch): {file}")
+        if verify_only:
+            return None
+        try:  # weights_only: tensors and plain containers; never run code from a file
+            obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as exc:
+            raise CheckpointError(f"cannot load {file} with weights_only=True: {exc}") from exc
+        self._cache[name] = obj
+        return obj
+
+    def read_slice(self, key: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of tensor ``key`` flattened, reading only the shards
+        that overlap the range: what a rank of a *new* world size asks for."""
+        entry = self.meta["tensors"][key]
+        end = entry["numel"] if end is None else end
+        pieces = []
+        for rank, s, e in entry["slices"]:
+            lo, hi = max(s, start), min(e, end)
+            if lo < hi:
+                piece = self._read(f"shard_{rank:05d}.pt")["slices"][key]
+                pieces.append(piece[lo - s : hi - s])
+        dtype = getattr(torch, entry["dtype"])
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        entry = self.meta["tensors"][key]
+        return self.read_slice(key).reshape(entry["shape"])  # (numel,) -> saved shape
+
+    def state(self) -> dict[str, Any]:
+        """The full replicated state, as it was passed to :func:`save_checkpoint` (on CPU)."""
+        skeleton = self._read("common.pt")["skeleton"]
+        return _join(skeleton, {key: self.tensor(key) for key in self.meta["tensors"]})
+
+    def rank_state(self, rank: int, world_size: int) -> dict[str, Any] | None:
+        """What ``rank`` saved as its own state, or None when the checkpoint was written by a
+        different world size (per-rank streams do not reshard)."""
+        if world_size != self.world_size or not 0 <= rank < world_size:
+            return None
+        return self._read(f"shard_{rank:05d}.pt")["rank_state"]
+
+
+def load_checkpoint(root: str | Path, step: int | None = None) -> Checkpoint:
+    """Open checkpoint ``step`` (default: the newest committed one) under ``root``, verified."""
+    root = Path(root)
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint (step_*/metadata.json) under {root}")
+    path = _step_dir(root, step)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint folder {path}")
+    return Checkpoint(path)
