@@ -155,18 +155,6 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
     return bad
 
 
-def _ring_trace(world: int) -> list[tuple[str, int, int, int]]:
-    """(phase, step, chunk, bitmask of contributing ranks) for every receive on this rank."""
-    from labkit.collectives import ring_all_reduce
-
-    rank = dist.get_rank()
-    seen: list[tuple[str, int, int, int]] = []
-    # rank r contributes 2**r everywhere, so a partial sum spells out who is in it
-    x = torch.full((4 * world,), float(2**rank))
-    ring_all_reduce(x, trace=lambda phase, step, c, data: seen.append((phase, step, c, int(data[0].item()))))
-    return seen
-
-
 def _world(world: int) -> dict[str, object]:
     out: dict[str, object] = {"whole": _cases(None, "world")}
     # a subgroup that skips rank 0, so group ranks and global ranks differ
@@ -175,7 +163,9 @@ def _world(world: int) -> dict[str, object]:
     if dist.get_rank() in members:
         out["sub"] = _cases(sub, f"subgroup {members}")
     if world == 4:
-        out["trace"] = _ring_trace(world)
+        from labkit.collectives.bench import _traced_ring
+
+        out["trace"] = _traced_ring()
     return out
 
 

@@ -28,9 +28,21 @@ import torch.distributed as dist
 
 from labkit.collectives.common import chunk_sizes
 from labkit.collectives.cost_model import busbw_factor
+from labkit.collectives.naive import naive_all_reduce
 from labkit.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from labkit.collectives.tree import recursive_doubling_all_reduce
 
-__all__ = ["BenchRecord", "DEFAULT_SIZES", "run_bench", "ratios", "format_table", "plot_busbw", "memcpy_bandwidth"]
+__all__ = [
+    "BenchRecord",
+    "DEFAULT_SIZES",
+    "run_bench",
+    "ratios",
+    "format_table",
+    "plot_busbw",
+    "memcpy_bandwidth",
+    "ring_snapshots",
+    "plot_ring_snapshots",
+]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(9))  # 4 KB, 16 KB, ..., 256 MB
@@ -62,16 +74,22 @@ def _native_ag(out: torch.Tensor, inp: torch.Tensor) -> None:
     fn(out, inp)
 
 
-def _runs(full: torch.Tensor, shard: torch.Tensor) -> dict[str, dict[str, Callable[[], object]]]:
-    """op -> {"ours": call, "torch": call} on preallocated tensors."""
+def _runs(full: torch.Tensor, shard: torch.Tensor, algorithms: bool) -> dict[str, dict[str, Callable[[], object]]]:
+    """op -> {"ours": call, "torch": call, ...} on preallocated tensors."""
+    all_reduce: dict[str, Callable[[], object]] = {"ours": lambda: ring_all_reduce(full), "torch": lambda: dist.all_reduce(full)}
+    if algorithms:  # the other all-reduce algorithms, for the small-message comparison
+        all_reduce["naive"] = lambda: naive_all_reduce(full)
+        all_reduce["recursive doubling"] = lambda: recursive_doubling_all_reduce(full)
     return {
-        "all_reduce": {"ours": lambda: ring_all_reduce(full), "torch": lambda: dist.all_reduce(full)},
+        "all_reduce": all_reduce,
         "reduce_scatter": {"ours": lambda: ring_reduce_scatter(shard, full), "torch": lambda: _native_rs(shard, full)},
         "all_gather": {"ours": lambda: ring_all_gather(full, shard), "torch": lambda: _native_ag(full, shard)},
     }
 
 
-def _rank_bench(ops: Sequence[str], sizes: Sequence[int], repeats: int, warmup: int, dtype: torch.dtype) -> dict[str, list[float]]:
+def _rank_bench(
+    ops: Sequence[str], sizes: Sequence[int], repeats: int, warmup: int, dtype: torch.dtype, algorithms: bool
+) -> dict[str, list[float]]:
     """Runs on every rank: this rank's time of every repeat, keyed ``op|impl|nbytes``."""
     from labkit.launch import local_device
 
@@ -83,7 +101,7 @@ def _rank_bench(ops: Sequence[str], sizes: Sequence[int], repeats: int, warmup: 
         n = max(p, nbytes // itemsize // p * p)  # divisible by p, so native RS/AG accept it
         full = torch.randn(n, device=device).to(dtype)
         shard = torch.empty(chunk_sizes(n, p)[rank], dtype=dtype, device=device)
-        runs = _runs(full, shard)
+        runs = _runs(full, shard, algorithms)
         for op in ops:
             for i in range(warmup + repeats):
                 for impl, fn in runs[op].items():
@@ -108,15 +126,20 @@ def run_bench(
     repeats: int = 5,
     warmup: int = 1,
     dtype: torch.dtype = torch.float32,
+    algorithms: bool = False,
     timeout: float = 600.0,
 ) -> list[BenchRecord]:
-    """Benchmark ``ops`` at each size (bytes) on ``world_size`` ranks; ours vs torch, interleaved."""
+    """Benchmark ``ops`` at each size (bytes) on ``world_size`` ranks; ours vs torch, interleaved.
+
+    ``impl`` of a record is "ours" (the ring) or "torch"; with ``algorithms=True`` the
+    all-reduce also times "naive" and "recursive doubling".
+    """
     bad = [op for op in ops if op not in OPS]
     if bad or not sizes or repeats < 1 or warmup < 0:
         raise ValueError(f"ops must be among {OPS} (got {list(ops)}), sizes non-empty, repeats >= 1, warmup >= 0")
     from labkit.launch import launch
 
-    per_rank = launch(_rank_bench, list(ops), list(sizes), repeats, warmup, dtype, world_size=world_size, timeout=timeout, quiet=True)
+    per_rank = launch(_rank_bench, list(ops), list(sizes), repeats, warmup, dtype, algorithms, world_size=world_size, timeout=timeout, quiet=True)
     records = []
     for key in per_rank[0]:
         op, impl, nbytes = key.split("|")
@@ -176,10 +199,10 @@ def plot_busbw(records: Sequence[BenchRecord], ax: Any = None) -> Any:
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     for op in dict.fromkeys(r.op for r in records):
-        for impl, style in (("ours", "-o"), ("torch", "--x")):
+        for impl in dict.fromkeys(r.impl for r in records):
             pts = sorted((r.nbytes, r.busbw / 1e9) for r in records if r.op == op and r.impl == impl)
             if pts:
-                ax.plot(*zip(*pts), style, label=f"{op} ({impl})")
+                ax.plot(*zip(*pts), "-o" if impl == "ours" else "--x", label=f"{op} ({impl})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size S (bytes)")
     ax.set_ylabel("busbw (GB/s)")
@@ -188,3 +211,57 @@ def plot_busbw(records: Sequence[BenchRecord], ax: Any = None) -> Any:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return ax
+
+
+# ---- the ring, step by step, from a real run ------------------------------------------------
+
+
+def _traced_ring() -> list[tuple[str, int, int, int]]:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    seen: list[tuple[str, int, int, int]] = []
+    x = torch.full((p,), float(2**rank))  # rank r adds 2**r: a partial sum spells who is in it
+    ring_all_reduce(x, trace=lambda phase, step, c, data: seen.append((phase, step, c, int(data[0].item()))))
+    return seen
+
+
+def ring_snapshots(world_size: int = 4) -> list[tuple[str, list[list[int]]]]:
+    """Run a ring all-reduce on ``world_size`` ranks and return who-holds-what after each step.
+
+    Returns ``[(title, masks), ...]``: the initial state, then one entry per step of the
+    reduce-scatter and of the all-gather. ``masks[rank][chunk]`` is a bitmask of the ranks whose
+    data that rank's copy of that chunk contains, read from the values that actually arrived.
+    """
+    from labkit.launch import launch
+
+    traces = launch(_traced_ring, world_size=world_size, quiet=True, timeout=120)
+    p = world_size
+    masks = [[1 << r for _ in range(p)] for r in range(p)]
+    states = [("start", [row[:] for row in masks])]
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(p - 1):
+            for rank, trace in enumerate(traces):
+                for ph, s, chunk, mask in trace:
+                    if ph == phase and s == step:
+                        masks[rank][chunk] = mask
+            states.append((f"{phase} step {step}", [row[:] for row in masks]))
+    return states
+
+
+def plot_ring_snapshots(states: Sequence[tuple[str, list[list[int]]]]) -> Any:
+    """One panel per step: rows are ranks, columns chunks, text = contributing ranks."""
+    import matplotlib.pyplot as plt
+
+    p = len(states[0][1])
+    fig, axes = plt.subplots(1, len(states), figsize=(2.1 * len(states), 2.6), squeeze=False)
+    for ax, (title, masks) in zip(axes[0], states):
+        counts = [[bin(m).count("1") for m in row] for row in masks]
+        ax.imshow(counts, cmap="Blues", vmin=0, vmax=p + 1)
+        for r in range(p):
+            for c in range(p):
+                who = "".join(str(k) for k in range(p) if masks[r][c] >> k & 1)
+                ax.text(c, r, who, ha="center", va="center", fontsize=7)
+        ax.set_title(title, fontsize=8)
+        ax.set_xticks(range(p), [f"c{c}" for c in range(p)], fontsize=7)
+        ax.set_yticks(range(p), [f"r{r}" for r in range(p)], fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,231 @@
+"""Check for exercise 02 (the ring): the learner's reduce-scatter and all-gather on 3 ranks.
+
+Contract checked (the same as :mod:`labkit.collectives.ring`, SUM only, flat 1-D tensors):
+
+* ``reduce_scatter(output_shard, input_full, group=None)``: ``output_shard`` receives chunk
+  ``rank`` of the sum over ranks, chunks laid out like ``input_full.tensor_split(world_size)``;
+* ``all_gather(output_full, input_shard, group=None)``: the inverse;
+* ``all_reduce(tensor, group=None)`` (optional): in place.
+
+How a mismatch is explained. The first run uses *labelled* float32 data: rank r's value at
+flat index i is ``16 * i + 2**r``. Every partial sum then spells out where it came from:
+``value % 16`` is the bitmask of the ranks it contains, and ``value // 16 / popcount`` the index
+it was taken from. So the check can say "rank 1's chunk 1 lacks rank 0's data" or "holds index
+5 (chunk 2) where index 3 belongs". It also records every message each rank sends (by wrapping
+``dist.send``/``isend`` for the duration of the check), so it can show, step by step, which
+chunk a rank sent, with whose data, next to what the ring sends at that step.
+Then random data in float32, bfloat16 and float16, on odd sizes and on a size smaller than
+the world, is compared within ``world_size * eps`` of the exact sum (a ring rounds at each hop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from labkit.checks.core import CheckFailed, compare, launch_check, passed
+from labkit.collectives.common import chunk_offsets
+from labkit.launch import JobTimeoutError, RankFailedError
+
+LABEL_SIZES = (6, 7, 2)  # even chunks first (schedule bugs), then [3, 2, 2], then [1, 1, 0]
+SIZES = (1, 2, 7, 1001)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def _record_sends(log: list[tuple[int, torch.Tensor]]) -> Iterator[None]:
+    """Log ``(dst, copy of data)`` of every send while active (P2POp and batch calls included)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    originals = {name: getattr(c10d, name) for name in ("send", "isend")}
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def sending(tensor: torch.Tensor, dst: int | None = None, *args: Any, **kwargs: Any) -> Any:
+            peer = dst if dst is not None else kwargs.get("group_dst", kwargs.get("dst"))
+            log.append((-1 if peer is None else int(peer), tensor.detach().clone()))
+            return fn(tensor, dst, *args, **kwargs)
+
+        return sending
+
+    # P2POp accepts only the functions c10d itself names `isend`/`irecv`: patch both places.
+    wrapped = {name: wrap(fn) for name, fn in originals.items()}
+    try:
+        for name, fn in wrapped.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+
+
+def _labels(n: int, rank: int) -> torch.Tensor:
+    return 16 * torch.arange(n, dtype=torch.float32) + 2**rank
+
+
+def _on_rank(rs: Callable[..., Any], ag: Callable[..., Any], ar: Callable[..., Any] | None) -> dict[str, Any]:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {"labelled": [], "random": []}
+    for n in LABEL_SIZES:
+        lo, hi = chunk_offsets(n, p)[rank : rank + 2]
+        sends: list[tuple[int, torch.Tensor]] = []
+        shard = torch.full((hi - lo,), float("nan"))
+        with _record_sends(sends):
+            rs(shard, _labels(n, rank))
+        full = torch.full((n,), float("nan"))
+        ag_sends: list[tuple[int, torch.Tensor]] = []
+        with _record_sends(ag_sends):
+            ag(full, _labels(n, rank)[lo:hi].clone())
+        out["labelled"].append((n, shard, sends, full, ag_sends))
+        # stop at the first wrong labelled case (it is the one worth explaining), all ranks together
+        want_shard = torch.stack([_labels(n, r) for r in range(p)]).sum(0)[lo:hi]
+        want_full = torch.cat([_labels(n, r)[chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]] for r in range(p)])
+        ok = shard.shape == want_shard.shape and full.shape == want_full.shape
+        ok = ok and torch.equal(shard, want_shard) and torch.equal(full, want_full)
+        wrong = torch.tensor([0.0 if ok else 1.0])
+        dist.all_reduce(wrong)
+        if wrong.item():
+            return out
+    for case, (n, dtype) in enumerate((n, d) for d in DTYPES for n in SIZES):
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(case * 10 + r)).to(dtype) for r in range(p)]
+        lo, hi = chunk_offsets(n, p)[rank : rank + 2]
+        shard = torch.full((hi - lo,), float("nan"), dtype=dtype)
+        rs(shard, xs[rank].clone())
+        full = torch.full((n,), float("nan"), dtype=dtype)
+        ag(full, xs[rank][lo:hi].clone())
+        reduced = None
+        if ar is not None:
+            reduced = xs[rank].clone()
+            ar(reduced)
+        out["random"].append((n, dtype, xs, shard, full, reduced))
+    return out
+
+
+def _who(value: float, p: int) -> str:
+    """Read a labelled value: which ranks' data, from which flat index."""
+    if value != value:  # NaN: nothing was ever written there
+        return "nothing (the slot was never written)"
+    v = int(value)
+    mask = v % 16
+    ranks = [r for r in range(p) if mask >> r & 1]
+    index = v // 16 / max(1, len(ranks))
+    if index != int(index):
+        return f"data of ranks {ranks}, but not all from the same index (they average {index:.2f}): chunks got mixed"
+    return f"data of ranks {ranks} from index {int(index)}"
+
+
+def _chunk_of(i: int, n: int, p: int) -> int:
+    off = chunk_offsets(n, p)
+    return max(c for c in range(p) if off[c] <= i)
+
+
+def _steps(phase: str, rank: int, sends: list[tuple[int, torch.Tensor]], n: int, p: int) -> str:
+    """Each message ``rank`` sent, decoded, next to what the ring sends at that step."""
+    off = chunk_offsets(n, p)
+    lines = []
+    for step, (dst, data) in enumerate(sends):
+        if phase == "reduce-scatter":  # the partial of chunk r-s-1, grown by one rank per step
+            want_c, want_ranks = (rank - step - 1) % p, sorted((rank - k) % p for k in range(step + 1))
+        else:  # all-gather forwards finished chunks
+            want_c, want_ranks = (rank - step) % p, [(rank - step) % p]
+        got = _who(float(data[0]), p) if data.numel() else "an empty tensor"
+        first = off[want_c]
+        want_first = sum(16 * first + 2**r for r in want_ranks) if off[want_c + 1] > first else None
+        differs = (float(data[0]) if data.numel() else None) != want_first
+        lines.append(
+            f"    {phase} step {step}: rank {rank} sent to rank {dst}: {got}; the ring sends chunk {want_c} "
+            f"(index {first}..) holding data of ranks {want_ranks}" + ("   <-- differs" if differs else "")
+        )
+    if len(sends) != p - 1:
+        lines.append(f"    rank {rank} sent {len(sends)} messages; a ring sends world_size - 1 = {p - 1} per phase")
+    return "\n".join(lines)
+
+
+def _explain_labelled(results: list[dict[str, Any]], p: int) -> str | None:
+    for i in range(len(results[0]["labelled"])):
+        for rank, res in enumerate(results):
+            n, shard, sends, _, _ = res["labelled"][i]
+            lo, hi = chunk_offsets(n, p)[rank : rank + 2]
+            expected = torch.stack([_labels(n, r) for r in range(p)]).sum(0)[lo:hi]
+            problem = compare(expected, shard, what=f"reduce_scatter, {n} elements, rank {rank}'s shard (chunk {rank})")
+            if problem:
+                detail = ""
+                if shard.shape == expected.shape:
+                    j = int(((shard - expected).abs() > 0).logical_or(shard.isnan()).nonzero()[0])
+                    detail = (
+                        f"\n  Element {j} of the shard is index {lo + j} of chunk {rank}: it should hold the data of "
+                        f"ranks {list(range(p))} from index {lo + j}; it holds {_who(float(shard[j]), p)}."
+                    )
+                return f"{problem}.{detail}\n  Messages rank {rank} sent (labels decoded):\n{_steps('reduce-scatter', rank, sends, n, p)}"
+        for rank, res in enumerate(results):
+            n, _, _, full, _ = res["labelled"][i]
+            expected = torch.cat([_labels(n, r)[chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]] for r in range(p)])
+            problem = compare(expected, full, what=f"all_gather, {n} elements, rank {rank}'s output")
+            if problem:
+                detail = ""
+                if full.shape == expected.shape:
+                    j = int(((full - expected).abs() > 0).logical_or(full.isnan()).nonzero()[0])
+                    c = _chunk_of(j, n, p)
+                    detail = f"\n  Index {j} lies in chunk {c}, which rank {c} owns; it holds {_who(float(full[j]), p)}, not rank {c}'s data from index {j}."
+                _, _, _, _, ag_sends = results[(rank - 1) % p]["labelled"][i]
+                left = (rank - 1) % p
+                return f"{problem}.{detail}\n  Messages rank {left} (its left neighbour) sent:\n{_steps('all-gather', left, ag_sends, n, p)}"
+    return None
+
+
+def check_ring(
+    reduce_scatter: Callable[..., Any],
+    all_gather: Callable[..., Any],
+    all_reduce: Callable[..., Any] | None = None,
+    world_size: int = 3,
+) -> None:
+    """Run the learner's ring collectives on ``world_size`` ranks; raise CheckFailed with a diagnosis."""
+    p = world_size
+    try:
+        results = launch_check(_on_rank, reduce_scatter, all_gather, all_reduce, world_size=p, quiet=True, timeout=60)
+    except RankFailedError as exc:
+        if exc.exc_type == "NotImplementedError":
+            raise
+        raise CheckFailed(
+            f"rank {exc.rank} failed ({exc.exc_type}: {exc.exc_message.splitlines()[0][:200]}).\n"
+            "  When a rank is killed inside gloo (ProcessDied, SIGABRT) it received a message larger than the "
+            "buffer it posted: a send and its matching receive disagree on the number of elements. Chunk c of n "
+            f"elements is input.tensor_split({p})[c]: for n = 7 the chunks have [3, 2, 2] elements, for n = 2 "
+            "[1, 1, 0]. Receive chunk c into a buffer the size of chunk c, and send the chunk the schedule names."
+        ) from None
+    except JobTimeoutError:
+        raise CheckFailed(
+            "the ranks waited on each other until the 60 s timeout: a receive that no rank sends to, or two ranks "
+            "that both block in dist.send/recv before the other posts its half. Post each step's receive and send "
+            "together (batch_isend_irecv, or irecv + isend then wait on both)."
+        ) from None
+    problem = _explain_labelled(results, p)
+    if problem:
+        raise CheckFailed(problem)
+    if len(results[0]["labelled"]) < len(LABEL_SIZES):
+        raise CheckFailed("a labelled case failed on some rank but could not be explained")
+    for case in range(len(results[0]["random"])):
+        n, dtype, xs, _, _, _ = results[0]["random"][case]
+        exact = torch.stack([x.double() for x in xs]).sum(0)
+        eps = torch.finfo(dtype).eps
+        spread = torch.stack([x.double().abs() for x in xs]).sum(0)  # bound of a p-term sum's error
+        tol = {"rtol": p * eps, "atol": p * eps * (float(spread.max()) if n else 0.0)}
+        for rank, res in enumerate(results):
+            _, _, _, shard, full, reduced = res["random"][case]
+            lo, hi = chunk_offsets(n, p)[rank : rank + 2]
+            what = f"{dtype}, {n} elements, rank {rank}"
+            gathered = torch.cat([xs[r][chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]] for r in range(p)])
+            for problem in (
+                compare(exact[lo:hi].to(dtype), shard, what=f"reduce_scatter, {what}'s shard (chunk {rank})", **tol),
+                compare(gathered, full, what=f"all_gather, {what}'s output", atol=0, rtol=0),
+                compare(exact.to(dtype), reduced, what=f"all_reduce, {what}", **tol) if reduced is not None else None,
+            ):
+                if problem:
+                    raise CheckFailed(f"{problem}. (Tolerance: {p} x the dtype's epsilon of the exact sum.)")
+    done = "reduce-scatter, all-gather" + (" and all-reduce" if all_reduce is not None else "")
+    passed(f"your ring {done} match on {p} ranks: sizes {sorted(set(LABEL_SIZES + SIZES))}, dtypes float32/bfloat16/float16")
