@@ -1,0 +1,259 @@
+"""Lab 01: a CNN on MNIST with data parallelism (PyTorch's DistributedDataParallel).
+
+Three ways to run the same :func:`train`::
+
+    python -m labkit.labs.mnist                         # launches 2 ranks via labkit.launch
+    python -m labkit.labs.mnist --world-size 1          # one process
+    torchrun --nproc-per-node 2 -m labkit.labs.mnist    # torchrun starts the ranks
+
+What one optimizer step sees (the *effective batch*)::
+
+    effective_batch = batch_size (per rank) * world_size * accum
+
+so 2 ranks x 32 x accumulation 2 take the same step as 1 rank x 128. The linear scaling
+rule (Goyal et al., "Accurate, Large Minibatch SGD", 2017) keeps the learning rate
+proportional to the effective batch; its warmup ramps the rate up linearly over the first
+steps, because at step 0 the weights are random and a large rate diverges.
+
+``sync="none"`` trains the ranks *without* gradient averaging (each on its own shard,
+from the same start): the lab shows their parameters drift apart after the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from labkit.data.mnist import MNIST
+from labkit.data.sampler import DistributedSampler, make_loader
+from labkit.launch import launch, local_device, run_from_env, seed_everything
+from labkit.models import MnistCNN
+
+
+@dataclass
+class MnistConfig:
+    epochs: float = 3.0  # fractions allowed: 0.5 = half of each rank's shard
+    batch_size: int = 32  # per rank, per micro-batch
+    accum: int = 1  # micro-batches per optimizer step
+    lr: float = 0.05  # SGD with momentum 0.9
+    warmup_steps: int = 0  # linear ramp from lr/warmup_steps to lr
+    max_steps: int | None = None  # stop early (short measured runs)
+    train_limit: int | None = None  # use the first N training images (None: all 8,000)
+    channels: int = 8  # MnistCNN width: 8 keeps an epoch at a few seconds on one core
+    sync: str = "torch_ddp"  # "torch_ddp" | "none" (no gradient averaging, to see it break)
+    check_sync: bool = False  # after every step, compare each rank's parameters to rank 0's
+    seed: int = 0
+    data_root: str | None = None  # folder with the full 60k MNIST; None: the shipped 10k split
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.epochs > 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if not self.lr > 0 or self.warmup_steps < 0:
+            raise ValueError(f"need lr > 0 and warmup_steps >= 0, got lr={self.lr}, warmup_steps={self.warmup_steps}")
+        if self.sync not in ("torch_ddp", "none"):
+            raise ValueError(f"sync must be 'torch_ddp' or 'none', got {self.sync!r}")
+
+
+def effective_batch(batch_size: int, world_size: int, accum: int) -> int:
+    """Samples behind one optimizer step."""
+    return batch_size * world_size * accum
+
+
+def scaled_lr(base_lr: float, base_batch: int, batch: int) -> float:
+    """The linear scaling rule: k times the batch, k times the learning rate."""
+    return base_lr * batch / base_batch
+
+
+def lr_at(step: int, lr: float, warmup_steps: int) -> float:
+    """Linear warmup: ``lr * (step + 1) / warmup_steps`` for the first steps, then ``lr``."""
+    if warmup_steps == 0 or step >= warmup_steps:
+        return lr
+    return lr * (step + 1) / warmup_steps
+
+
+def _progress(step: int, total: int, loss: float, rate: float, width: int = 20) -> str:
+    done = int(width * step / max(total, 1))
+    return f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  {rate:,.0f} img/s"
+
+
+def _max_diff_to_rank0(model: nn.Module, group: Any) -> float:
+    """max |theta - theta_rank0| over all parameters (0.0 means bit-identical)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # (num_params,)
+    ref = flat.clone()
+    dist.broadcast(ref, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return float((flat - ref).abs().max())
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, data: MNIST, device: torch.device, rank: int = 0, world_size: int = 1, group: Any = None
+) -> float:
+    """Accuracy on ``data``, each rank scoring the samples ``rank, rank + W, ...`` (no padding)."""
+    model.eval()
+    x, y = data.images[rank::world_size].to(device), data.labels[rank::world_size].to(device)
+    correct = torch.tensor([0.0, 0.0], device=device)
+    for i in range(0, len(y), 500):
+        pred = model(x[i : i + 500]).argmax(1)
+        correct += torch.tensor([(pred == y[i : i + 500]).sum().item(), len(pred)], device=device)
+    if world_size > 1:
+        dist.all_reduce(correct, group=group)
+    model.train()
+    return float(correct[0] / correct[1])
+
+
+def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
+    """Train on this rank (a world of one when torch.distributed is not initialised).
+
+    Returns: ``accuracy`` (validation), ``losses`` (per step, this rank's), ``lrs``,
+    ``step_times`` (seconds), ``throughput`` (images/s over all ranks, first steps excluded),
+    ``max_diff`` (per step, when ``check_sync``), ``effective_batch``.
+    """
+    distributed = dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    world = dist.get_world_size(group) if distributed else 1
+    if distributed:
+        device = local_device()
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seed_everything(cfg.seed + rank)  # different on purpose: DDP's broadcast makes them agree
+    train_set = MNIST("train", root=cfg.data_root, limit=cfg.train_limit)
+    val_set = MNIST("val", root=cfg.data_root)
+    sampler = DistributedSampler(len(train_set), rank, world, seed=cfg.seed, drop_last=True)
+    loader = make_loader(train_set, cfg.batch_size, sampler, device=device)
+
+    model: nn.Module = MnistCNN(channels=cfg.channels).to(device)
+    net = model
+    if world > 1 and cfg.sync == "torch_ddp":
+        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group)
+    elif world > 1:  # same start, then no communication at all
+        for p in model.parameters():
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+
+    micro_per_epoch = len(loader)
+    total_steps = int(cfg.epochs * micro_per_epoch) // cfg.accum
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    out: dict[str, Any] = {"losses": [], "lrs": [], "step_times": [], "max_diff": [], "rank": rank}
+    out["effective_batch"] = effective_batch(cfg.batch_size, world, cfg.accum)
+    step, epoch, micro = 0, 0, 0
+    step_loss = torch.zeros((), device=device)
+    t_step = time.perf_counter()
+    while step < total_steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            last = (micro + 1) % cfg.accum == 0
+            sync_ctx = net.no_sync() if (isinstance(net, DDP) and not last) else contextlib.nullcontext()
+            with sync_ctx:
+                loss = F.cross_entropy(net(x), y) / cfg.accum
+                loss.backward()
+            step_loss = loss.detach() if micro % cfg.accum == 0 else step_loss + loss.detach()
+            micro += 1
+            if not last:
+                continue
+            for group_ in opt.param_groups:
+                group_["lr"] = lr_at(step, cfg.lr, cfg.warmup_steps)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cfg.check_sync and world > 1:
+                out["max_diff"].append(_max_diff_to_rank0(model, group))
+            now = time.perf_counter()
+            out["step_times"].append(now - t_step)
+            t_step = now
+            if world > 1:  # log the loss of the whole effective batch, not just this rank's part
+                dist.all_reduce(step_loss, group=group)
+                step_loss /= world
+            out["losses"].append(step_loss.item())
+            out["lrs"].append(opt.param_groups[0]["lr"])
+            step += 1
+            if cfg.progress and rank == 0 and (step % max(1, total_steps // 5) == 0 or step == total_steps):
+                recent = out["step_times"][-5:]
+                rate = out["effective_batch"] * len(recent) / max(sum(recent), 1e-9)
+                print(_progress(step, total_steps, out["losses"][-1], rate), flush=True)
+            if step >= total_steps:
+                break
+        epoch += 1
+    timed = out["step_times"][min(3, len(out["step_times"]) - 1) :]  # skip warm-up steps
+    out["throughput"] = out["effective_batch"] * len(timed) / max(sum(timed), 1e-9)
+    # Unsynchronised ranks hold different models: each scores the whole validation set.
+    if cfg.sync == "torch_ddp":
+        out["accuracy"] = evaluate(model, val_set, device, rank, world, group)
+    else:
+        out["accuracy"] = evaluate(model, val_set, device)
+    return out
+
+
+def run(cfg: MnistConfig, world_size: int = 2, **launch_options: Any) -> list[dict[str, Any]]:
+    """:func:`train` on ``world_size`` ranks via :func:`labkit.launch`; per-rank results."""
+    launch_options.setdefault("timeout", 600)
+    return launch(train, cfg, world_size=world_size, **launch_options)
+
+
+def _train_each(cfgs: list[MnistConfig], group: Any = None) -> list[dict[str, Any]]:
+    return [train(cfg, group) for cfg in cfgs]
+
+
+def run_many(cfgs: list[MnistConfig], world_size: int = 2, **launch_options: Any) -> list[list[dict[str, Any]]]:
+    """Several short runs in ONE launch (a launch costs ~3 s): ``result[i][rank]`` for ``cfgs[i]``."""
+    launch_options.setdefault("timeout", 600)
+    per_rank = launch(_train_each, cfgs, world_size=world_size, **launch_options)
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cfgs))]
+
+
+def train_here(cfg: MnistConfig, threads: int | None = None) -> dict[str, Any]:
+    """One process, in the caller (no launch): the 1-rank baseline, with ``threads`` cores."""
+    if dist.is_initialized():
+        raise RuntimeError("train_here runs without torch.distributed; inside a rank, call train()")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        return train(cfg)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = MnistConfig()
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to launch (ignored under torchrun)")
+    for name in ("epochs", "lr"):
+        parser.add_argument(f"--{name}", type=float, default=getattr(d, name))
+    for name in ("batch_size", "accum", "warmup_steps", "channels", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--train-limit", type=int, default=None)
+    parser.add_argument("--data-root", default=None, help="folder with the full 60k MNIST IDX files")
+    parser.add_argument("--sync", default=d.sync, choices=["torch_ddp", "none"])
+    args = vars(parser.parse_args(argv))
+    world_size = args.pop("world_size")
+    cfg = MnistConfig(**args)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one rank
+        result = run_from_env(train, cfg)
+        if result["rank"] == 0:
+            print(f"validation accuracy {result['accuracy']:.4f}")
+        return
+    results = run(cfg, world_size) if world_size > 1 else [train(cfg)]
+    r0 = results[0]
+    print(
+        f"world_size={world_size} effective batch {r0['effective_batch']}: validation accuracy "
+        f"{r0['accuracy']:.4f}, {r0['throughput']:,.0f} img/s"
+    )
+
+
+if __name__ == "__main__":
+    main()
