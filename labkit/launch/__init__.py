@@ -1,0 +1,58 @@
+"""Run a function on N ranks, from a notebook cell or a script: all process plumbing lives here.
+
+``launch(fn, *args, world_size=2)`` runs ``fn(*args)`` on ``world_size`` processes with
+``torch.distributed`` initialised and returns the per-rank results, indexed by rank.
+
+How a launch is built (the same engine as ``torchrun``)::
+
+    kernel (your notebook)                 agent subprocess                  workers
+    ----------------------                 ----------------                  -------
+    cloudpickle fn+args -> run_dir/job.pkl
+    Popen(python -m labkit.launch.agent)   elastic_launch(config, _worker) -> rank 0 .. N-1
+    print each "[rankN]: ..." line   <---- tee of every worker's stdout/stderr
+    watchdog: at the deadline SIGUSR1 ----------------------------------------> faulthandler stacks
+    read result.N.pkl / error.N.json <----------------------------------------- written by _worker
+
+Why an agent subprocess rather than ``elastic_launch`` inside the kernel: the elastic agent
+installs signal handlers and writes ``os.environ`` in the process that calls it. In a
+subprocess the kernel keeps its own handlers, an interrupt is a plain ``KeyboardInterrupt``,
+and killing one process tree ends the whole job.
+
+Invariants the tests hold this module to:
+
+* a raising rank fails the job within seconds; the exception names that rank and carries its
+  traceback, never a bystander that only saw "connection closed by peer";
+* a hang ends at ``timeout`` with every rank's Python stack;
+* no process outlives its job (success, failure, timeout, interrupt); workers also die with
+  their agent (``PR_SET_PDEATHSIG``) and the agent with its launcher;
+* every launch rendezvous on its own free port on 127.0.0.1.
+
+Under ``torchrun`` the same worker functions run unchanged through :func:`run_from_env`.
+
+Read in this order: ``config.py`` (what a launch is asked to do, its errors), ``launcher.py``
+(the caller's side), ``agent.py`` (the elastic agent), ``rank.py`` (what runs on a rank).
+"""
+
+from labkit.launch.config import (
+    JobTimeoutError,
+    LaunchConfig,
+    LaunchError,
+    RankFailedError,
+    choose_backend,
+    describe_machine,
+)
+from labkit.launch.launcher import launch
+from labkit.launch.rank import local_device, run_from_env, seed_everything
+
+__all__ = [
+    "JobTimeoutError",
+    "LaunchConfig",
+    "LaunchError",
+    "RankFailedError",
+    "choose_backend",
+    "describe_machine",
+    "launch",
+    "local_device",
+    "run_from_env",
+    "seed_everything",
+]

@@ -1,0 +1,330 @@
+"""The caller's side of a launch: ship the job, stream output, watch the deadline, reap, report."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import linecache
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import cloudpickle.cloudpickle as _cp
+
+from labkit.launch.config import (
+    _ENV_RUN_ID,
+    _JOB_FILE,
+    JobTimeoutError,
+    LaunchConfig,
+    LaunchError,
+    RankFailedError,
+)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, but functions keep their real file name (cloudpickle writes "<dynamic-code>").
+
+    With the file name, and the kernel's ``linecache`` entries shipped alongside, a rank's
+    traceback shows the notebook cell's own lines instead of anonymous frames.
+    """
+
+    def __init__(self, file: Any):
+        super().__init__(file)
+        self.filenames: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType) and hasattr(_cp, "_code_reduce"):
+            ctor, args = _cp._code_reduce(obj)
+            self.filenames.add(obj.co_filename)
+            return ctor, tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
+        return super().reducer_override(obj)
+
+
+def _dumps(job: dict[str, Any]) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    pickler.dump(job)
+    # Source of code that exists only in memory (notebook cells): tracebacks need it.
+    sources = {
+        name: (len("".join(entry[2])), None, entry[2], name)
+        for name in pickler.filenames
+        if (entry := linecache.cache.get(name)) is not None and len(entry) == 4 and not os.path.exists(name)
+    }
+    return buffer.getvalue() + cloudpickle.dumps(sources)
+
+
+# --------------------------------------------------------------------------------------
+# The worker: runs on every rank, inside the elastic agent's process tree
+
+
+def _runs_root() -> Path:
+    return Path(tempfile.gettempdir()) / "labkit-runs"
+
+
+def _prune_old_runs(root: Path, keep: int = 30, min_age_s: float = 3600.0) -> None:
+    """Delete all but the newest ``keep`` run folders, never one touched in the last hour
+    (a concurrent launch may still be writing there)."""
+    with contextlib.suppress(OSError):
+        runs = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)
+        now = time.time()
+        for old in runs[:-keep]:
+            if now - old.stat().st_mtime > min_age_s:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _kill_tree(proc: subprocess.Popen[bytes], run: Path) -> None:
+    """SIGKILL the agent, every descendant, and any rank whose pid file we know."""
+    import psutil
+
+    pids: set[int] = set()
+    with contextlib.suppress(psutil.Error):
+        pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
+    for pid_file in run.glob("pid.*"):
+        with contextlib.suppress(ValueError, OSError):
+            pids.add(int(pid_file.read_text()))
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.environ().get(_ENV_RUN_ID) == run.name:  # never kill a recycled pid
+                p.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    psutil.wait_procs([p for p in _alive(pids)], timeout=5)
+
+
+def _alive(pids: set[int]) -> list[Any]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            out.append(psutil.Process(pid))
+    return out
+
+
+def _dump_stacks(run: Path, world_size: int, wait: float = 1.5) -> dict[int, str]:
+    """SIGUSR1 every rank (faulthandler writes its stack), then read what they wrote."""
+    for rank in range(world_size):
+        with contextlib.suppress(ValueError, OSError, ProcessLookupError):
+            os.kill(int((run / f"pid.{rank}").read_text()), signal.SIGUSR1)
+    deadline = time.monotonic() + wait
+    stacks: dict[int, str] = {}
+    while time.monotonic() < deadline:
+        stacks = {}
+        for rank in range(world_size):
+            path = run / f"stack.{rank}.txt"
+            stacks[rank] = path.read_text() if path.exists() else ""
+        if all(s.rstrip().endswith(("in _worker", "(most recent call first):")) or "_worker" in s for s in stacks.values()):
+            break
+        time.sleep(0.05)
+    return {rank: _trim_stack(text) for rank, text in stacks.items()}
+
+
+def _trim_stack(text: str) -> str:
+    """Keep each thread's frames down to labkit's ``_worker``: below it is only machinery."""
+    kept: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        if not line.startswith(" "):  # a "Thread 0x... (most recent call first):" header
+            skipping = False
+        elif skipping:
+            continue
+        elif "labkit" in line and line.rstrip().endswith("in _worker"):
+            skipping = True
+            continue
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def _error_records(run: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in run.glob("error.*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    return records
+
+
+def _final_failure(records: list[dict[str, Any]], max_restarts: int) -> bool:
+    """True once a rank has failed in the last attempt elastic is allowed to make."""
+    return any(r["restart"] >= max_restarts for r in records)
+
+
+def _root_cause(run: Path, log_dir: Path) -> RankFailedError | None:
+    """The failing rank to blame: a genuine exception beats 'connection closed by peer'.
+
+    A rank killed by a signal or a native crash leaves no Python record; the agent's view of
+    exit codes (``agent_failures.json``) names it instead.
+    """
+    records = _error_records(run)
+    if records:
+        last_restart = max(r["restart"] for r in records)
+        records = [r for r in records if r["restart"] == last_restart]
+        records.sort(key=lambda r: (r["collateral"], r["time"]))
+        root = records[0]
+        others = sorted(r["rank"] for r in records[1:])
+        if not root["collateral"] or not (run / "agent_failures.json").exists():
+            return RankFailedError(root["rank"], root["type"], root["message"], root["traceback"], log_dir, others)
+    died = run / "agent_failures.json"
+    if died.exists():
+        every = json.loads(died.read_text())["failures"]
+        failures = [f for f in every if f["signal"]] or every
+        if failures:
+            f = failures[0]
+            how = f"was killed by {f['signal']}" if f["signal"] else f"exited with code {f['exitcode']}"
+            return RankFailedError(
+                f["rank"],
+                "ProcessDied",
+                f"the process {how}",
+                "(no Python traceback: the process was killed, ran out of memory, or crashed in native code)",
+                log_dir,
+                [g["rank"] for g in failures[1:]],
+            )
+    return None
+
+
+def _pump(stream: Any, tag: str, lines: queue.Queue[tuple[str, str]]) -> None:
+    for raw in iter(stream.readline, b""):
+        lines.put((tag, raw.decode(errors="replace")))
+    stream.close()
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    backend: str | None = None,
+    timeout: float = 300.0,
+    **options: Any,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return ``[result of rank 0, rank 1, ...]``.
+
+    ``fn`` may be defined in a notebook cell, with its helpers and classes: it travels by
+    value (cloudpickle). Each rank's output streams into the caller, prefixed ``[rankN]:``.
+    Other keyword options are fields of :class:`LaunchConfig` (``max_restarts``,
+    ``start_method``, ``threads_per_rank``, ``host``, ``log_dir``, ``env``, ``quiet``).
+
+    Raises :class:`RankFailedError` when a rank raises, :class:`JobTimeoutError` when the job
+    outlives ``timeout`` seconds, ``KeyboardInterrupt`` when interrupted (all ranks killed).
+    """
+    if not callable(fn):
+        raise TypeError(f"launch() needs a callable as its first argument, got {type(fn).__name__}: {fn!r}")
+    cfg = LaunchConfig(world_size=world_size, backend=backend, timeout=timeout, **options)
+
+    root = Path(cfg.log_dir) if cfg.log_dir is not None else _runs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    _prune_old_runs(root)
+    run = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-", dir=root))
+    try:
+        payload = _dumps({"fn": fn, "args": args, "config": cfg})
+    except Exception as exc:
+        raise TypeError(f"cannot send fn and args to the ranks (pickling failed): {exc}") from exc
+    (run / _JOB_FILE).write_bytes(payload)
+
+    cores = os.cpu_count() or 1
+    threads = cfg.threads_per_rank or max(1, cores // cfg.world_size)
+    env = {
+        **os.environ,
+        **cfg.env,
+        _ENV_RUN_ID: run.name,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(threads),
+        # The agent should never see the kernel's signal bookkeeping.
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    }
+    # Make sure the agent imports *this* labkit, even from a notebook's working directory.
+    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "labkit.launch.agent", str(run), str(os.getpid())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,  # a terminal's Ctrl-C reaches us, and we decide what dies
+    )
+    lines: queue.Queue[tuple[str, str]] = queue.Queue()
+    pumps = [
+        threading.Thread(target=_pump, args=(proc.stdout, "out", lines), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, "err", lines), daemon=True),
+    ]
+    for t in pumps:
+        t.start()
+
+    agent_noise: list[str] = []
+
+    def drain(block_for: float) -> None:
+        # Printing from this (the caller's) thread keeps output in the running cell.
+        try:
+            tag, line = lines.get(timeout=block_for)
+        except queue.Empty:
+            return
+        while True:
+            if line.startswith("[rank"):
+                if not cfg.quiet:
+                    (sys.stdout if tag == "out" else sys.stderr).write(line)
+            else:
+                agent_noise.append(line)
+            try:
+                tag, line = lines.get_nowait()
+            except queue.Empty:
+                break
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    deadline = time.monotonic() + cfg.timeout
+    first_failure: float | None = None
+    try:
+        while proc.poll() is None:
+            drain(0.05)
+            if time.monotonic() > deadline:
+                stacks = _dump_stacks(run, cfg.world_size)
+                _kill_tree(proc, run)
+                raise JobTimeoutError(cfg.timeout, stacks, run / "logs")
+            # Fail fast: once a rank has failed for good, kill everything now rather than
+            # wait for the agent's polite shutdown. A collateral error ("connection closed")
+            # gets a short grace period for the culprit's own record to land.
+            records = _error_records(run)
+            if records and _final_failure(records, cfg.max_restarts):
+                first_failure = first_failure or time.monotonic()
+                genuine = any(not r["collateral"] for r in records)
+                if genuine or time.monotonic() - first_failure > 1.0:
+                    break
+    except BaseException:
+        _kill_tree(proc, run)
+        raise
+    finally:
+        _kill_tree(proc, run)  # also reaps ranks of an agent that exited on its own
+        for t in pumps:
+            t.join(timeout=2)
+        drain(0)
+
+    if first_failure is not None or proc.returncode != 0:
+        failure = _root_cause(run, run / "logs")
+        if failure is not None:
+            raise failure
+        agent_error = run / "agent_error.txt"
+        detail = agent_error.read_text() if agent_error.exists() else "".join(agent_noise[-40:])
+        raise LaunchError(f"the job failed before any rank reported an error:\n{detail}", run / "logs")
+
+    results = []
+    for rank in range(cfg.world_size):
+        with open(run / f"result.{rank}.pkl", "rb") as f:
+            results.append(cloudpickle.load(f))
+    return results

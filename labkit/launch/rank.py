@@ -1,0 +1,196 @@
+"""What runs on every rank: process-group set-up, the worker entry point, rank-side helpers.
+
+The worker reports a failure *before* any teardown (``error.N.json``), then exits without
+destroying the group: a clean teardown is what makes bystanders fail first with
+"connection closed by peer" and hides the culprit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import json
+import linecache
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from labkit.launch.config import _JOB_FILE, LaunchConfig, choose_backend
+
+_PR_SET_PDEATHSIG = 1
+
+# Exceptions that a rank raises because *another* rank went away. They are never the root
+# cause while a rank with any other exception exists.
+_COLLATERAL_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "nccl communicator was aborted",
+    "process group was aborted",
+    "connection refused",  # a peer exited while the group was still connecting
+)
+
+
+def local_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` under NCCL, the CPU otherwise."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy (when present) and torch (CPU and every GPU) with the same ``seed``."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+
+
+def _set_pdeathsig() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so nothing outlives a job."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _init_process_group(backend: str, timeout: float) -> None:
+    """Initialise the default group from the torchrun-style environment (RANK, WORLD_SIZE, ...)."""
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    limit = datetime.timedelta(seconds=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives a restart; without a per-attempt prefix a restarted
+        # group reads the dead attempt's gloo addresses and fails with "connection refused".
+        store = dist.PrefixStore(
+            f"labkit/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit),
+        )
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=limit,
+        )
+    else:
+        dist.init_process_group(backend=backend, timeout=limit)
+
+
+def run_from_env(fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout: float = 1800.0) -> Any:
+    """Run ``fn(*args)`` on this process as one rank of a ``torchrun`` job.
+
+    ``torchrun --nproc-per-node 4 -m labkit.labs.mnist`` ends up here: the environment
+    torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) initialises the
+    default process group, so a worker function runs unchanged under either launcher.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port("127.0.0.1")))
+    gpus_here = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    _init_process_group(choose_backend(gpus_here, backend), timeout)
+    try:
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _to_cpu(value: Any) -> Any:
+    """Move tensors in a returned pytree to the CPU, so the caller never initialises CUDA."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+
+
+def _is_collateral(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if isinstance(exc, dist.DistNetworkError):
+        return True
+    return any(marker in text for marker in _COLLATERAL_MARKERS)
+
+
+def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def _worker(run_dir: str) -> None:
+    """Entry point of every rank (module level, so elastic pickles it by reference)."""
+    _set_pdeathsig()
+    # A forked rank inherits the agent's Python SIGTERM handler, which cannot run while the
+    # rank is blocked inside a collective: the default action makes the agent's stop instant.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    run = Path(run_dir)
+    rank = int(os.environ["RANK"])
+    # Worker stdout is a file, not a tty: without this, nothing shows until the rank exits.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    stack_file = open(run / f"stack.{rank}.txt", "w")  # noqa: SIM115 - lives as long as the rank
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    (run / f"pid.{rank}").write_text(str(os.getpid()))
+
+    with open(run / _JOB_FILE, "rb") as f:
+        job = cloudpickle.load(f)
+        linecache.cache.update(cloudpickle.load(f))
+    cfg: LaunchConfig = job["config"]
+    if cfg.backend == "gloo":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        _init_process_group(str(cfg.backend), float(cfg.collective_timeout or cfg.timeout))
+        result = job["fn"](*job["args"])
+        with open(run / f"result.{rank}.pkl", "wb") as f:
+            cloudpickle.dump(_to_cpu(result), f)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the rank exits
+        # Drop this wrapper's own frame: the traceback starts in the learner's code.
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
+        _write_json_atomic(
+            run / f"error.{rank}.json",
+            {
+                "rank": rank,
+                "time": time.time(),
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": "".join(tb),
+                "collateral": _is_collateral(exc),
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            },
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Exit without tearing the group down: a clean teardown here is what makes the
+        # *other* ranks fail first with "connection closed", hiding the real culprit.
+        os._exit(1)
+    # Success: a barrier-free teardown; every rank has already returned from fn.
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------
+# The agent: `python -m labkit.launch RUN_DIR`, a thin shell around torch's elastic_launch
