@@ -111,6 +111,7 @@ class DataParallel(nn.Module):
         self.require_sync = True
         self._t0 = time.perf_counter()
         self._comm_thread: ThreadPoolExecutor | None = None
+        self._comm_buffers: dict[tuple[int, ...], torch.Tensor] = {}
 
         # The trainable parameters, each once, in registration order (~ order of use in
         # forward). Frozen ones are broadcast but never reduced.
@@ -185,9 +186,12 @@ class DataParallel(nn.Module):
         A missing gradient contributes zeros; its ``used`` flag is 0. After the SUM all-reduce
         the flag counts the ranks that used the parameter.
         """
-        p0 = params[0]
+        key = tuple(id(p) for p in params)
         n = sum(p.numel() for p in params)
-        buf = torch.empty(n + len(params), dtype=p0.dtype, device=p0.device)
+        buf = self._comm_buffers.get(key)
+        if buf is None:  # allocated once and reused: a fresh buffer per step pays page faults
+            buf = torch.empty(n + len(params), dtype=params[0].dtype, device=params[0].device)
+            self._comm_buffers[key] = buf
         offset = 0
         for i, p in enumerate(params):
             view = buf[offset : offset + p.numel()]

@@ -163,3 +163,10 @@ def first_divergence(
 def trainable_numel() -> int:
     """Gradient elements one sync must reduce: every trainable parameter, tied ones once."""
     return sum(p.numel() for p in AwkwardNet().parameters() if p.requires_grad)
+
+
+def train_many(
+    wraps: dict[str, Callable[[nn.Module], nn.Module]], steps: int = 4, accum: int = 1, group: Any = None
+) -> dict[str, list[Snapshot]]:
+    """Run on every rank: :func:`train_distributed` for each wrapper; parameters per step, by name."""
+    return {name: train_distributed(wrap, steps, accum, group=group)[0] for name, wrap in wraps.items()}

@@ -1,0 +1,129 @@
+"""Measuring the variants: step time on a rank, bucket-size sweeps, and the overlap timeline.
+
+Used by notebook 03 and ``benchmarks/bench_ddp.py``. A "step" is what training pays per
+optimizer step: forward, backward, gradient sync, ``optimizer.step()``. Every timed step
+starts after a barrier, so a rank that finished early does not hide the other's lag, and
+the median over steps resists the noise of a shared machine.
+
+Two workloads bracket data parallelism:
+
+* **compute-bound**: :class:`~labkit.models.MnistCNN` (0.4 M params, ~1.7 MB of gradients),
+  where convolutions take ~100x longer than the all-reduce;
+* **communication-bound**: a wide :class:`~labkit.models.MLP` (~5.8 M params, 23 MB), few
+  FLOPs per byte of gradient, so the all-reduce is most of the step unless it is hidden.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from labkit.ddp.base import Event
+from labkit.launch import local_device
+from labkit.models import MLP, MnistCNN
+
+Wrap = Callable[[nn.Module], nn.Module]
+
+WORKLOADS: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    # name: (model factory, per-rank batch)
+    "cnn": (lambda: MnistCNN(channels=32), 32),
+    "mlp": (lambda: MLP((784, 2048, 2048, 10)), 8),
+}
+
+
+def _batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    x = torch.randn(n, 1, 28, 28, generator=g)  # (n, 1, 28, 28): both workloads take MNIST shapes
+    return x.to(device), torch.randint(0, 10, (n,), generator=g).to(device)
+
+
+def step_time(wrap: Wrap, workload: str = "mlp", steps: int = 10, warmup: int = 3) -> float:
+    """Median seconds per training step of ``wrap(model)`` on this rank (call on every rank)."""
+    make, batch = WORKLOADS[workload]
+    device = local_device()
+    torch.manual_seed(0)
+    model = wrap(make().to(device))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = _batch(batch, device)
+    finish = getattr(model, "finish_gradient_sync", lambda: None)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t = time.perf_counter()
+        F.cross_entropy(model(x), y).backward()
+        finish()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def compare_step_times(wraps: dict[str, Wrap], workloads: tuple[str, ...] = ("cnn", "mlp"), **kw: Any) -> dict:
+    """Run on every rank: ``{(workload, name): seconds}``, the max over ranks (the slowest rank sets the pace).
+
+    Variants are interleaved round by round (``rounds`` of ``steps``) so a burst of load on a
+    shared machine hits all of them alike; each entry is the median of its rounds.
+    """
+    rounds = kw.pop("rounds", 3)
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for workload in workloads:
+            for name, wrap in wraps.items():
+                samples.setdefault((workload, name), []).append(step_time(wrap, workload, **kw))
+    out = {}
+    for key, values in samples.items():
+        t = torch.tensor(statistics.median(values))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[key] = float(t)
+    return out
+
+
+def recorded_step(wrap: Wrap, workload: str = "mlp", warmup: int = 2) -> list[Event]:
+    """Run on every rank: the timeline (:class:`Event` list) of one step, after ``warmup`` steps."""
+    make, batch = WORKLOADS[workload]
+    device = local_device()
+    model = wrap(make().to(device))
+    cast(Any, model).record_events = True  # our wrappers only: torch DDP keeps no timeline
+    x, y = _batch(batch, device)
+    for _ in range(warmup + 1):
+        dist.barrier()
+        F.cross_entropy(model(x), y).backward()
+        model.finish_gradient_sync()  # type: ignore[operator]
+        model.zero_grad(set_to_none=True)
+    return list(model.events)  # type: ignore[arg-type]
+
+
+def plot_timeline(events: list[Event], ax: Any = None, title: str = "") -> Any:
+    """Backward on the top row, one row per bucket all-reduce below it (milliseconds)."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.4 * len(events) + 1))
+    t0 = min(e.start for e in events)
+    for row, e in enumerate(events):
+        color = "tab:blue" if e.kind == "backward" else "tab:orange"
+        ax.barh(row, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, color=color)
+    ax.set_yticks(range(len(events)), [e.name for e in events])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since backward started")
+    ax.set_title(title)
+    return ax
+
+
+def overlap_fraction(events: list[Event]) -> float:
+    """Share of all-reduce time that ran while backward was still computing (0 = none hidden)."""
+    (bwd,) = [e for e in events if e.kind == "backward"]
+    comm = [e for e in events if e.kind == "allreduce"]
+    total = sum(e.end - e.start for e in comm)
+    hidden = sum(max(0.0, min(e.end, bwd.end) - e.start) for e in comm)
+    return hidden / total if total > 0 else 0.0
