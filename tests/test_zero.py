@@ -197,20 +197,9 @@ def test_every_stage_equals_single_process_adamw(world_size):
 
 # --------------------------------------------------------------------------- the ledger
 def _ledger_all_stages() -> list:
-    from labkit.models import GPT, GPTConfig
-    from labkit.zero import measure
+    from labkit.zero.ledger import measure_gpt
 
-    cfg = GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=32)  # 10.7M parameters
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return GPT(cfg)
-
-    def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(rank))
-        return x, torch.roll(x, -1, 1)
-
-    return [measure(s, build, batch, lambda m, x, y: m(x, y), steps=1) for s in ("ddp", "zero1", "zero2", "zero3")]
+    return measure_gpt()  # GPT 6 x 384: 10.7M parameters, one step per stage
 
 
 @pytest.mark.timeout(180)

@@ -27,7 +27,7 @@ from labkit.zero.stage1 import DDPAdam, ZeRO1
 from labkit.zero.stage2 import ZeRO2
 from labkit.zero.stage3 import ZeRO3
 
-__all__ = ["STAGE_CLASSES", "make_optimizer", "measure"]
+__all__ = ["STAGE_CLASSES", "make_optimizer", "measure", "measure_gpt"]
 
 STAGE_CLASSES: dict[str, type[ZeRO1]] = {"ddp": DDPAdam, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}
 
@@ -95,3 +95,33 @@ def measure(
         "sent_per_step": {k: v / steps for k, v in opt.comm.sent.items()},
         "sent_predicted": communication_bytes(stage, psi, elem_bytes=4) * (n - 1) / n,
     }
+
+
+def measure_gpt(
+    stages: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3"),
+    gpt: Any = None,
+    *,
+    batch: int = 1,
+    steps: int = 1,
+    **opt_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """:func:`measure` every stage on a labkit GPT (default: 6 layers x 384, 10.7M parameters)."""
+    from labkit.launch import local_device
+    from labkit.models import GPT, GPTConfig
+
+    cfg = gpt or GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=32)
+    device = local_device()
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(cfg)
+
+    def make_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(device)
+        return x, torch.roll(x, -1, 1)  # (batch, T) next-character targets
+
+    return [
+        measure(s, build, make_batch, lambda m, x, y: m(x, y), steps=steps, device=device, **opt_kwargs)
+        for s in stages
+    ]
