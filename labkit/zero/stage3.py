@@ -36,14 +36,12 @@ from labkit.zero.stage2 import ZeRO2
 
 __all__ = ["ZeRO3"]
 
-_FREED = torch.empty(0)  # what a parameter points to while its unit is sharded away
-
-
 class ZeRO3(ZeRO2):
     """AdamW with optimizer state, gradients and parameters sharded over ``group``."""
 
     def __init__(self, model: nn.Module, *args: Any, prefetch: bool = False, **kwargs: Any) -> None:
         self.prefetch = prefetch
+        self._freed = torch.empty(0, device=next(iter(model.parameters())).device)  # a sharded-away param
         self._pending: dict[Unit, Any] = {}  # unit -> async all-gather handle
         self._by_storage: dict[int, Unit] = {}  # id(gathered storage) -> unit
         self._order: list[nn.Module] = []  # modules in forward order (recorded once)
@@ -109,7 +107,7 @@ class ZeRO3(ZeRO2):
             self._by_storage.pop(id(u.flat.untyped_storage()), None)
             u.flat = None
         for p in u.params:
-            p.data = _FREED
+            p.data = self._freed
 
     def _prefetch_after(self, mod: nn.Module, backward: bool) -> None:
         if not self.prefetch or self._recording or mod not in self._order:
