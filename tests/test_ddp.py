@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.ddp import VARIANTS, BucketedDDP, DataParallel, partition_buckets
+from labkit.checks.core import CheckFailed
+from labkit.checks.ddp import check_overlapped_ddp
+from labkit.ddp import VARIANTS, BucketedDDP, DataParallel, OverlappedDDP, partition_buckets
 from labkit.ddp import equivalence as eq
 from labkit.launch import launch
 
@@ -211,3 +213,29 @@ def test_bad_arguments_fail_before_any_communication():
     with pytest.raises(RuntimeError, match="torch.distributed initialised"):
         DataParallel(eq.AwkwardNet())
     assert set(VARIANTS) == {"naive", "flat", "bucketed", "overlapped"}
+
+
+# ---- the exercise check -------------------------------------------------------------------
+
+
+class _ZerosForUnused(OverlappedDDP):
+    """A plausible learner bug: a parameter no rank used gets a zero gradient, not None."""
+
+    def unpack(self, buf, params):
+        super().unpack(buf, params)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_exercise_check_passes_ours_and_names_the_first_divergence(capsys):
+    check_overlapped_ddp(OverlappedDDP)
+    assert "PASSED" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"after step 1, parameter 'extra\.(weight|bias)'.*\n.*grad=None"):
+        check_overlapped_ddp(_ZerosForUnused)
+    with pytest.raises(CheckFailed, match="nothing overlaps"):
+        check_overlapped_ddp(BucketedDDP)  # right numbers, all sent after backward
+    with pytest.raises(CheckFailed, match="subclass of labkit.ddp.BucketedDDP"):
+        check_overlapped_ddp(torch.nn.Linear)

@@ -56,8 +56,9 @@ def make_batches(
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``steps * accum`` micro-batches ``(x, y, mask)`` of ``batch`` samples (the global batch).
 
-    The mask follows a cycle of three micro-batches: nobody flagged; only sample 0 flagged
-    (so only rank 0's shard uses ``extra``); random flags.
+    The mask follows a cycle of three optimizer steps (all micro-batches of a step alike):
+    nobody flagged (no rank uses ``extra``: its grad must stay None); only sample 0 flagged
+    (only rank 0's shard uses it); random flags.
     """
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -65,9 +66,10 @@ def make_batches(
         x = torch.randn(batch, 8, generator=g)
         y = torch.randint(0, 4, (batch,), generator=g)
         mask = torch.zeros(batch, dtype=torch.bool)
-        if i % 3 == 1:
+        kind = (i // accum) % 3
+        if kind == 1:
             mask[0] = True
-        elif i % 3 == 2:
+        elif kind == 2:
             mask = torch.rand(batch, generator=g) < 0.3
         out.append((x, y, mask))
     return out
