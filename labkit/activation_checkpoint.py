@@ -47,6 +47,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "checkpoint",
     "forward_flops",
+    "policy_costs",
     "remove_activation_checkpointing",
     "select_blocks",
     "step_activation_bytes",
@@ -242,3 +243,25 @@ def step_activation_bytes(model: nn.Module, *inputs: Any) -> dict[str, int]:
         model(*inputs).backward()
         peak = mt.ledger()
     return {"activations": peak.peak["activations"], "total": peak.peak_bytes}
+
+
+def policy_costs(
+    make_model: Callable[[], nn.Module], inputs: tuple[Any, ...], policy: Policy, *, impl: str = "labkit", repeats: int = 5
+) -> dict[str, float]:
+    """FLOPs, peak activation bytes and best-of-``repeats`` step seconds of one ``policy``
+    on a fresh ``make_model()`` whose ``.blocks`` get wrapped. Time is measured untracked, and
+    the minimum is the estimate least disturbed by other processes on a shared machine."""
+    import time
+
+    model = make_model()
+    apply_activation_checkpointing(model.blocks, policy, impl=impl)  # type: ignore[arg-type]
+    flops = step_flops(model, *inputs)
+    memory = step_activation_bytes(model, *inputs)
+    times = []
+    model(*inputs).backward()  # warm-up: first calls allocate and pick kernels
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(*inputs).backward()
+        times.append(time.perf_counter() - start)
+    return {"flops": flops, "activation_bytes": memory["activations"], "seconds": min(times)}
