@@ -3,7 +3,7 @@
 The folder layout is the syllabus; start with :mod:`labkit.launch`.
 """
 
-from labkit.launch import launch
+from labkit import launch  # a callable package: labkit.launch(fn, *args, world_size=2)
 
 __all__ = ["launch"]
 __version__ = "0.1.0"

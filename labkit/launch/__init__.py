@@ -33,6 +33,10 @@ Read in this order: ``config.py`` (what a launch is asked to do, its errors), ``
 (the caller's side), ``agent.py`` (the elastic agent), ``rank.py`` (what runs on a rank).
 """
 
+import sys
+import types
+from typing import Any
+
 from labkit.launch.config import (
     JobTimeoutError,
     LaunchConfig,
@@ -56,3 +60,15 @@ __all__ = [
     "run_from_env",
     "seed_everything",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """``labkit.launch(fn, ...)`` calls :func:`launch`, while ``labkit.launch.local_device``
+    and ``import labkit.launch.rank`` still reach the package: a plain function in its place
+    would shadow the package and break both."""
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        return launch(fn, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

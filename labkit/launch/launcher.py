@@ -7,6 +7,7 @@ import json
 import linecache
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,8 @@ from labkit.launch.config import (
     LaunchError,
     RankFailedError,
 )
+
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -87,7 +90,8 @@ def _prune_old_runs(root: Path, keep: int = 30, min_age_s: float = 3600.0) -> No
 
 
 def _kill_tree(proc: subprocess.Popen[bytes], run: Path) -> None:
-    """SIGKILL the agent, every descendant, and any rank whose pid file we know."""
+    """SIGKILL the agent, every descendant, and any rank whose pid file we know; return once
+    each is dead (a zombie awaiting its reaper counts as dead: it holds nothing)."""
     import psutil
 
     pids: set[int] = set()
@@ -98,24 +102,38 @@ def _kill_tree(proc: subprocess.Popen[bytes], run: Path) -> None:
             pids.add(int(pid_file.read_text()))
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
+    victims = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
             if p.environ().get(_ENV_RUN_ID) == run.name:  # never kill a recycled pid
                 p.kill()
+                victims.append(p)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-    psutil.wait_procs([p for p in _alive(pids)], timeout=5)
+    deadline = time.monotonic() + 10
+    while victims and time.monotonic() < deadline:
+        victims = [p for p in victims if _running(p)]
+        time.sleep(0.01)
 
 
-def _alive(pids: set[int]) -> list[Any]:
+def _any_alive(run: Path, ranks: set[int]) -> bool:
     import psutil
 
-    out = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            out.append(psutil.Process(pid))
-    return out
+    for rank in ranks:
+        with contextlib.suppress(ValueError, OSError, psutil.Error):
+            if _running(psutil.Process(int((run / f"pid.{rank}").read_text()))):
+                return True
+    return False
+
+
+def _running(p: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
 
 
 def _dump_stacks(run: Path, world_size: int, wait: float = 1.5) -> dict[int, str]:
@@ -268,6 +286,7 @@ def launch(
         t.start()
 
     agent_noise: list[str] = []
+    echoed: dict[tuple[int, str], int] = {}  # (rank, "out"/"err") -> lines shown so far
 
     def drain(block_for: float) -> None:
         # Printing from this (the caller's) thread keeps output in the running cell.
@@ -276,7 +295,8 @@ def launch(
         except queue.Empty:
             return
         while True:
-            if line.startswith("[rank"):
+            if m := _RANK_PREFIX.match(line):
+                echoed[int(m[1]), tag] = echoed.get((int(m[1]), tag), 0) + 1
                 if not cfg.quiet:
                     (sys.stdout if tag == "out" else sys.stderr).write(line)
             else:
@@ -288,6 +308,20 @@ def launch(
         sys.stdout.flush()
         sys.stderr.flush()
 
+    def catch_up() -> None:
+        # The job may be reaped before the agent's tee shows the last lines: print what the
+        # rank logs hold beyond what was echoed. (Restarts make the counts ambiguous: skip.)
+        attempts = sorted(run.glob("logs/*/attempt_*"))
+        if cfg.quiet or cfg.max_restarts or not attempts:
+            return
+        for rank in range(cfg.world_size):
+            for tag, stream in (("out", sys.stdout), ("err", sys.stderr)):
+                path = attempts[-1] / str(rank) / f"std{tag}.log"
+                if path.exists():
+                    for line in path.read_text(errors="replace").splitlines(keepends=True)[echoed.get((rank, tag), 0) :]:
+                        stream.write(f"[rank{rank}]: {line}")
+                stream.flush()
+
     deadline = time.monotonic() + cfg.timeout
     first_failure: float | None = None
     try:
@@ -298,14 +332,20 @@ def launch(
                 _kill_tree(proc, run)
                 raise JobTimeoutError(cfg.timeout, stacks, run / "logs")
             # Fail fast: once a rank has failed for good, kill everything now rather than
-            # wait for the agent's polite shutdown. A collateral error ("connection closed")
-            # gets a short grace period for the culprit's own record to land.
+            # wait for the agent's polite shutdown. After a collateral error ("connection
+            # closed by peer") the culprit may still be busy in its own teardown: wait while
+            # a rank that has not reported is alive, up to a cap.
             records = _error_records(run)
             if records and _final_failure(records, cfg.max_restarts):
                 first_failure = first_failure or time.monotonic()
                 genuine = any(not r["collateral"] for r in records)
-                if genuine or time.monotonic() - first_failure > 1.0:
+                silent = set(range(cfg.world_size)) - {r["rank"] for r in records}
+                if genuine or not _any_alive(run, silent) or time.monotonic() - first_failure > 10.0:
                     break
+            # Done once every rank's result is on disk: the agent's own shutdown (exit
+            # barrier, log tailers, interpreter exit) adds seconds and nothing we need.
+            if not cfg.max_restarts and all((run / f"result.{r}.pkl").exists() for r in range(cfg.world_size)):
+                break
     except BaseException:
         _kill_tree(proc, run)
         raise
@@ -314,8 +354,10 @@ def launch(
         for t in pumps:
             t.join(timeout=2)
         drain(0)
+        catch_up()
 
-    if first_failure is not None or proc.returncode != 0:
+    done = all((run / f"result.{r}.pkl").exists() for r in range(cfg.world_size))
+    if first_failure is not None or (proc.returncode != 0 and not done):
         failure = _root_cause(run, run / "logs")
         if failure is not None:
             raise failure

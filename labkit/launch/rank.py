@@ -165,8 +165,10 @@ def _worker(run_dir: str) -> None:
     try:
         _init_process_group(str(cfg.backend), float(cfg.collective_timeout or cfg.timeout))
         result = job["fn"](*job["args"])
-        with open(run / f"result.{rank}.pkl", "wb") as f:
+        partial = run / f"result.{rank}.pkl.tmp"
+        with open(partial, "wb") as f:
             cloudpickle.dump(_to_cpu(result), f)
+        os.replace(partial, run / f"result.{rank}.pkl")  # the caller never reads half a result
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the rank exits
         # Drop this wrapper's own frame: the traceback starts in the learner's code.
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
