@@ -226,3 +226,32 @@ def test_config_is_validated_dataclass():
     # labkit.launch is both the entry point and the package behind it
     assert labkit.launch(_tiny, 5, world_size=1, timeout=60, quiet=True) == [50]
     assert labkit.launch.local_device().type == "cpu"
+
+
+_TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from labkit.launch import run_from_env
+
+    def work(offset):  # the same kind of function labkit.launch runs
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        print(f"RESULT rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item() + offset}", flush=True)
+
+    run_from_env(work, 100)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_worker_functions_run_unchanged_under_torchrun(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for rank in range(2):
+        assert f"RESULT rank={rank} world=2 sum=101.0" in out.stdout
+    # and as a plain script: a world of one
+    single = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110)
+    assert "RESULT rank=0 world=1 sum=100.0" in single.stdout, single.stderr[-2000:]
