@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from labkit.memory import tracker_for
-from labkit.memory.model import FP32_ADAM, communication_bytes, model_states
+from labkit.memory.model import FP32_ADAM, MIXED_ADAM, communication_bytes, model_states
 from labkit.zero.adam import AdamConfig
 from labkit.zero.stage1 import DDPAdam, ZeRO1
 from labkit.zero.stage2 import ZeRO2
@@ -77,7 +77,8 @@ def measure(
         ledger = mt.ledger()
     psi = opt.num_params
     n = opt.world_size
-    pred = model_states(stage, psi, n, FP32_ADAM)
+    mixed = opt.param_dtype != torch.float32  # 16-bit params and grads, fp32 master + moments
+    pred = model_states(stage, psi, n, MIXED_ADAM if mixed else FP32_ADAM)
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     return {
         "stage": stage,
@@ -93,7 +94,7 @@ def measure(
             "optimizer_state": pred.optimizer_state,
         },
         "sent_per_step": {k: v / steps for k, v in opt.comm.sent.items()},
-        "sent_predicted": communication_bytes(stage, psi, elem_bytes=4) * (n - 1) / n,
+        "sent_predicted": communication_bytes(stage, psi, elem_bytes=2 if mixed else 4) * (n - 1) / n,
     }
 
 

@@ -14,6 +14,13 @@ from K Psi to K Psi / N. Memory per rank: 4Psi params + 4Psi grads + 8Psi/N Adam
 :class:`DDPAdam` (stage 0, the baseline) all-reduces the same flat gradients and runs AdamW on
 every element on every rank: memory (4 + 4 + 8) Psi.
 
+Mixed precision (``param_dtype=torch.bfloat16`` or float16, the paper's setting): the model
+computes with 16-bit parameters and gradients (2 + 2 bytes each), every rank keeps an fp32
+*master* copy of its shard next to Adam's moments (4 + 4 + 4 = the paper's K = 12, all
+sharded), updates the master, rounds it into its 16-bit shard and all-gathers 16-bit
+values, so communication is 2 bytes per element too. With ``float32`` the parameters are
+their own master copy (K = 8).
+
 Parameters are grouped into *units* (default: the trainable parameters each module owns
 directly), each unit one flat buffer padded to a multiple of N. Frozen parameters
 (``requires_grad=False``) are not managed: they stay as they are on every rank.
@@ -49,6 +56,7 @@ class Unit:
     shapes: list[torch.Size]  # recorded once: a sharded-away parameter has shape (0,)
     flat: torch.Tensor | None = None  # (padded,) full params; None while sharded away (ZeRO-3)
     shard: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # (shard_size,) my params
+    master: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # fp32 (= shard in fp32)
     grad: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # full (stage 0/1) or shard
     exp_avg: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     exp_avg_sq: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -91,7 +99,10 @@ class ZeRO1:
 
     shard_optimizer = True
 
-    def __init__(self, model: nn.Module, cfg: AdamConfig | None = None, *, group: ProcessGroup | None = None, comm_impl: str = "torch", wrap: Sequence[nn.Module] | None = None, label: Label | None = None) -> None:
+    def __init__(self, model: nn.Module, cfg: AdamConfig | None = None, *, group: ProcessGroup | None = None, comm_impl: str = "torch", wrap: Sequence[nn.Module] | None = None, param_dtype: torch.dtype = torch.float32, label: Label | None = None) -> None:
+        if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"param_dtype must be float32, bfloat16 or float16, got {param_dtype}")
+        self.param_dtype = param_dtype
         self.model = model
         self.cfg = cfg or AdamConfig()
         self.comm = Comm(group, comm_impl)
@@ -107,28 +118,39 @@ class ZeRO1:
             self.units.append(Unit(owner, params, names, layout, [p.shape for p in params]))
         for u in self.units:
             self._build(u)
+        model.to(param_dtype)  # frozen parameters and buffers (managed ones already are)
 
     # ----------------------------------------------------------------- construction
-    def _zeros(self, n: int, category: str) -> torch.Tensor:
-        t = torch.zeros(n, dtype=torch.float32, device=self.device)
+    def _zeros(self, n: int, category: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.zeros(n, dtype=dtype, device=self.device)
         self.label(t, category)
         return t
 
     def _full_params(self, u: Unit) -> torch.Tensor:
-        """The unit's parameters as one (padded,) buffer, identical on every rank."""
-        flat = self._zeros(u.layout.padded, "parameters")
+        """The unit's parameters as one fp32 (padded,) buffer, identical on every rank."""
+        flat = self._zeros(u.layout.padded, "temporaries")
         flatten_into(flat, u.layout, [p.detach() for p in u.params])
         dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
         return flat
 
     def _build(self, u: Unit) -> None:
-        u.flat = self._full_params(u)
+        full32 = self._full_params(u)
+        lo, hi = u.layout.shard_range(self.rank) if self.shard_optimizer else (0, u.layout.padded)
+        if self.param_dtype == torch.float32:
+            u.flat = full32
+            self.label(u.flat, "parameters")
+        else:  # mixed precision: 16-bit compute copy + fp32 master of my shard (the paper's K=12)
+            u.flat = self._zeros(u.layout.padded, "parameters", self.param_dtype).copy_(full32)
+            u.master = full32[lo:hi].clone()
+            self.label(u.master, "optimizer_state")
+        del full32
         for p, view in zip(u.params, param_views(u.flat, u.layout, u.shapes)):
             p.data = view  # the module now computes with a view into the flat buffer
-        lo, hi = u.layout.shard_range(self.rank) if self.shard_optimizer else (0, u.layout.padded)
         u.shard = u.flat[lo:hi]  # my parameters: a view, so all-gather's output updates them
+        if self.param_dtype == torch.float32:
+            u.master = u.shard  # fp32 training: the parameters are their own master copy
         u.exp_avg, u.exp_avg_sq = self._zeros(hi - lo, "optimizer_state"), self._zeros(hi - lo, "optimizer_state")
-        u.grad = self._zeros(u.layout.padded, "gradients")
+        u.grad = self._zeros(u.layout.padded, "gradients", self.param_dtype)
         for p, view in zip(u.params, param_views(u.grad, u.layout, u.shapes)):
             p.grad = view  # autograd accumulates in place into the flat gradient buffer
 
@@ -149,18 +171,24 @@ class ZeRO1:
     def _grad_shard(self, u: Unit) -> torch.Tensor:
         """Reduce-scatter the full gradients: my shard of their average over ranks."""
         self._adopt_grads(u)
-        g = self._zeros(u.layout.shard_size, "temporaries")
+        g = self._zeros(u.layout.shard_size, "temporaries", self.param_dtype)
         self.comm.reduce_scatter(g, u.grad)
-        return g.div_(self.world_size)
+        return g.float().div_(self.world_size)  # fp32 for the optimizer
 
     @torch.no_grad()
     def step(self) -> None:
         self.step_count += 1
         for u in self.units:
             g = self._grad_shard(u)
-            adamw_(u.shard, g, u.exp_avg, u.exp_avg_sq, self.step_count, self.cfg)
+            self._update(u, g)
             del g
             self._publish(u)
+
+    def _update(self, u: Unit, grad32: torch.Tensor) -> None:
+        """AdamW on my fp32 master shard; round it into my (16-bit) parameter shard."""
+        adamw_(u.master, grad32, u.exp_avg, u.exp_avg_sq, self.step_count, self.cfg)
+        if u.master is not u.shard:
+            u.shard.copy_(u.master)
 
     def _publish(self, u: Unit) -> None:
         """All-gather the updated shards into every rank's full parameters."""
@@ -171,7 +199,7 @@ class ZeRO1:
     def _gather_full(self, shard: torch.Tensor, u: Unit) -> torch.Tensor:
         if shard.numel() == u.layout.padded:
             return shard
-        full = torch.empty(u.layout.padded, device=shard.device)
+        full = torch.empty(u.layout.padded, dtype=shard.dtype, device=shard.device)
         self.comm.all_gather(full, shard.contiguous())
         return full
 
@@ -181,7 +209,7 @@ class ZeRO1:
         "exp_avg_sq"}`` each ``{name: full tensor}``, plus ``step``. Other ranks get None."""
         out: dict[str, dict[str, torch.Tensor]] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
         for u in self.units:
-            for key, shard in (("params", u.shard), ("exp_avg", u.exp_avg), ("exp_avg_sq", u.exp_avg_sq)):
+            for key, shard in (("params", u.master), ("exp_avg", u.exp_avg), ("exp_avg_sq", u.exp_avg_sq)):
                 full = self._gather_full(shard, u)
                 for name, view in zip(u.names, param_views(full, u.layout, u.shapes)):
                     out[key][name] = view.clone()
@@ -205,7 +233,7 @@ class DDPAdam(ZeRO1):
     def _grad_shard(self, u: Unit) -> torch.Tensor:
         self._adopt_grads(u)
         self.comm.all_reduce(u.grad)
-        return u.grad.div_(self.world_size)
+        return u.grad.float().div_(self.world_size)
 
     def _publish(self, u: Unit) -> None:
         return None  # every rank updated every element already

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labkit.zero.adam import adamw_
 from labkit.zero.partition import flatten_into
 from labkit.zero.stage1 import Unit, ZeRO1
 
@@ -39,7 +38,7 @@ class ZeRO2(ZeRO1):
         super()._build(u)
         for p in u.params:
             p.grad = None
-        u.grad = self._zeros(u.layout.shard_size, "gradients")  # my shard only, accumulated
+        u.grad = self._zeros(u.layout.shard_size, "gradients", self.param_dtype)  # my shard only
         self._hook_grads(u)
 
     def _hook_grads(self, u: Unit) -> None:
@@ -71,11 +70,11 @@ class ZeRO2(ZeRO1):
     def _reduce_unit(self, u: Unit) -> None:
         """Full grads of ``u`` -> one reduce-scatter -> added to my shard; full grads dropped."""
         self._ready[u] = set()
-        buf = self._zeros(u.layout.padded, "temporaries")  # the communication buffer
+        buf = self._zeros(u.layout.padded, "temporaries", self.param_dtype)  # the communication buffer
         flatten_into(buf, u.layout, [p.grad for p in u.params])
         for p in u.params:
             p.grad = None
-        mine = self._zeros(u.layout.shard_size, "temporaries")
+        mine = self._zeros(u.layout.shard_size, "temporaries", self.param_dtype)
         self.comm.reduce_scatter(mine, buf)
         del buf
         u.grad.add_(mine)
@@ -88,7 +87,7 @@ class ZeRO2(ZeRO1):
     def step(self) -> None:
         self.step_count += 1
         for u in self.units:
-            g = u.grad.div(self.world_size)  # sum over ranks -> average
-            adamw_(u.shard, g, u.exp_avg, u.exp_avg_sq, self.step_count, self.cfg)
+            g = u.grad.float() / self.world_size  # sum over ranks -> average, in fp32
+            self._update(u, g)
             del g
             self._publish(u)

@@ -41,7 +41,8 @@ class ZeRO3(ZeRO2):
 
     def __init__(self, model: nn.Module, *args: Any, prefetch: bool = False, **kwargs: Any) -> None:
         self.prefetch = prefetch
-        self._freed = torch.empty(0, device=next(iter(model.parameters())).device)  # a sharded-away param
+        dtype = kwargs.get("param_dtype", torch.float32)
+        self._freed = torch.empty(0, dtype=dtype, device=next(iter(model.parameters())).device)
         self._pending: dict[Unit, Any] = {}  # unit -> async all-gather handle
         self._by_storage: dict[int, Unit] = {}  # id(gathered storage) -> unit
         self._order: list[nn.Module] = []  # modules in forward order (recorded once)
@@ -61,6 +62,8 @@ class ZeRO3(ZeRO2):
         lo, hi = u.layout.shard_range(self.rank)
         u.shard = u.flat[lo:hi].clone()  # my parameters, own storage: the full buffer goes
         self.label(u.shard, "parameters")
+        if self.param_dtype == torch.float32:
+            u.master = u.shard
         self._free(u)
 
     def _units_needed_by_module(self, model: nn.Module) -> dict[nn.Module, list[Unit]]:
@@ -87,7 +90,7 @@ class ZeRO3(ZeRO2):
     def _start_gather(self, u: Unit) -> None:
         if u.flat is not None or u in self._pending:
             return
-        buf = self._zeros(u.layout.padded, "temporaries")
+        buf = self._zeros(u.layout.padded, "temporaries", self.param_dtype)
         self._pending[u] = (buf, self.comm.all_gather(buf, u.shard, async_op=self.prefetch))
 
     def _gather(self, u: Unit) -> None:
