@@ -1,10 +1,10 @@
 """Step time of labkit's DDP variants against torch's DistributedDataParallel, 2 ranks.
 
-    .venv/bin/python benchmarks/bench_ddp.py [--steps 10] [--rounds 3] [--bucket-mb 4]
+    .venv/bin/python benchmarks/bench_ddp.py [--steps 30] [--bucket-mb 4]
 
 Two workloads (see labkit/ddp/timing.py): a compute-bound CNN and a communication-bound MLP
 (5.8 M parameters). Each step = forward + backward + gradient sync + SGD step, median over
-steps and rounds, the slower rank's time. Target: overlapped <= 1.05x torch DDP on both.
+steps the slower rank's time. Target: overlapped <= 1.05x torch DDP on both.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 from labkit.launch import launch
 
 
-def _job(bucket_mb: float, steps: int, rounds: int) -> dict:
+def _job(bucket_mb: float, steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from labkit.ddp import VARIANTS
@@ -27,16 +27,15 @@ def _job(bucket_mb: float, steps: int, rounds: int) -> dict:
         "bucketed": lambda m: VARIANTS["bucketed"](m, bucket_cap_mb=bucket_mb),
         "overlapped": lambda m: VARIANTS["overlapped"](m, bucket_cap_mb=bucket_mb),
     }
-    return compare_step_times(wraps, steps=steps, rounds=rounds)
+    return compare_step_times(wraps, steps=steps)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (interleaved)")
     parser.add_argument("--bucket-mb", type=float, default=4.0, help="bucket cap, ours and torch's")
     args = parser.parse_args()
-    times = launch(_job, args.bucket_mb, args.steps, args.rounds, world_size=2, quiet=True, timeout=600)[0]
+    times = launch(_job, args.bucket_mb, args.steps, world_size=2, quiet=True, timeout=600)[0]
     print(f"2 ranks, bucket cap {args.bucket_mb} MB (ours and torch's), median ms/step")
     print(f"{'workload':10s}{'variant':12s}{'ms/step':>10s}{'ours/torch':>12s}")
     for workload in ("cnn", "mlp"):

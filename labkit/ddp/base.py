@@ -207,17 +207,16 @@ class DataParallel(nn.Module):
         """Write the averaged gradients back; a parameter no rank used keeps ``grad=None``."""
         n = buf.numel() - len(params)
         used = buf[n:].tolist()
-        buf[:n].div_(self.world_size)
         offset = 0
         for i, p in enumerate(params):
-            avg = buf[offset : offset + p.numel()].view_as(p)  # (numel,) -> p.shape
+            total = buf[offset : offset + p.numel()].view_as(p)  # (numel,) -> p.shape
             offset += p.numel()
             if used[i] == 0:
                 p.grad = None
             elif p.grad is None:
-                p.grad = avg.clone()
-            else:
-                p.grad.copy_(avg)
+                p.grad = total / self.world_size
+            else:  # divide while copying back: one pass over the gradient, not two
+                torch.div(total, self.world_size, out=p.grad)
         self.elements_reduced += buf.numel() - len(params)
 
     def reduce_now(self, buf: torch.Tensor, name: str) -> None:

@@ -31,29 +31,16 @@ from typing import Any
 
 from torch import nn
 
-from labkit.ddp.base import AllReduceFn, Pending
+from labkit.ddp.base import Pending
 from labkit.ddp.bucketed import BucketedDDP
 
 
 class OverlappedDDP(BucketedDDP):
     """Bucketed DDP whose all-reduces are launched asynchronously from gradient hooks."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        bucket_cap_mb: float = 1.0,
-        group: Any = None,
-        allreduce_fn: AllReduceFn | None = None,
-        record_events: bool = False,
-    ):
-        super().__init__(
-            module,
-            bucket_cap_mb=bucket_cap_mb,
-            group=group,
-            allreduce_fn=allreduce_fn,
-            record_events=record_events,
-        )
+    def __init__(self, module: nn.Module, **kwargs: Any):
+        """Same arguments as :class:`BucketedDDP` (``bucket_cap_mb``, ``group``, ``allreduce_fn``, ...)."""
+        super().__init__(module, **kwargs)
         self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self._reset()
         for p in self.params:

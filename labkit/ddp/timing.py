@@ -44,47 +44,60 @@ def _batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(device), torch.randint(0, 10, (n,), generator=g).to(device)
 
 
-def step_time(wrap: Wrap, workload: str = "mlp", steps: int = 10, warmup: int = 3) -> float:
-    """Median seconds per training step of ``wrap(model)`` on this rank (call on every rank)."""
-    make, batch = WORKLOADS[workload]
-    device = local_device()
-    torch.manual_seed(0)
-    model = wrap(make().to(device))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = _batch(batch, device)
-    finish = getattr(model, "finish_gradient_sync", lambda: None)
-    times = []
-    for i in range(warmup + steps):
+class _Trainer:
+    """One model under one wrapper, ready to take timed steps on a fixed batch."""
+
+    def __init__(self, wrap: Wrap, workload: str):
+        make, batch = WORKLOADS[workload]
+        device = local_device()
+        torch.manual_seed(0)
+        self.device = device
+        self.model = wrap(make().to(device))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x, self.y = _batch(batch, device)
+        self.finish = getattr(self.model, "finish_gradient_sync", lambda: None)
+
+    def step(self) -> float:
         dist.barrier()
         t = time.perf_counter()
-        F.cross_entropy(model(x), y).backward()
-        finish()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        self.finish()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t
 
 
-def compare_step_times(wraps: dict[str, Wrap], workloads: tuple[str, ...] = ("cnn", "mlp"), **kw: Any) -> dict:
-    """Run on every rank: ``{(workload, name): seconds}``, the max over ranks (the slowest rank sets the pace).
+def step_time(wrap: Wrap, workload: str = "mlp", steps: int = 10, warmup: int = 3) -> float:
+    """Median seconds per training step of ``wrap(model)`` on this rank (call on every rank)."""
+    trainer = _Trainer(wrap, workload)
+    times = [trainer.step() for _ in range(warmup + steps)]
+    return statistics.median(times[warmup:])
 
-    Variants are interleaved round by round (``rounds`` of ``steps``) so a burst of load on a
-    shared machine hits all of them alike; each entry is the median of its rounds.
+
+def compare_step_times(
+    wraps: dict[str, Wrap], workloads: tuple[str, ...] = ("cnn", "mlp"), steps: int = 10, warmup: int = 3
+) -> dict[tuple[str, str], float]:
+    """Run on every rank: ``{(workload, name): median seconds per step}``, slowest rank's.
+
+    The variants take turns step by step (A, B, C, A, B, C, ...), so a burst of load on a
+    shared machine hits all of them alike and the ratios stay meaningful.
     """
-    rounds = kw.pop("rounds", 3)
-    samples: dict[tuple[str, str], list[float]] = {}
-    for _ in range(rounds):
-        for workload in workloads:
-            for name, wrap in wraps.items():
-                samples.setdefault((workload, name), []).append(step_time(wrap, workload, **kw))
     out = {}
-    for key, values in samples.items():
-        t = torch.tensor(statistics.median(values))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[key] = float(t)
+    for workload in workloads:
+        trainers = {name: _Trainer(wrap, workload) for name, wrap in wraps.items()}
+        samples: dict[str, list[float]] = {name: [] for name in wraps}
+        for i in range(warmup + steps):
+            for name, trainer in trainers.items():
+                t = trainer.step()
+                if i >= warmup:
+                    samples[name].append(t)
+        for name, values in samples.items():
+            med = torch.tensor(statistics.median(values))
+            dist.all_reduce(med, op=dist.ReduceOp.MAX)
+            out[(workload, name)] = float(med)
+        del trainers
     return out
 
 
