@@ -93,21 +93,28 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
                 dist.all_reduce(native, ReduceOp.SUM if op == ReduceOp.AVG else op, group=group)
                 if op == ReduceOp.AVG:
                     native = (native.float() / p).to(dtype)
-                for algo in (ring_all_reduce, naive_all_reduce, recursive_doubling_all_reduce):
-                    got = algo(xs[rank].clone(), op, group)
+                # block=64 bytes: the ring cuts the larger chunks into several messages (its pipelined path)
+                algos = {
+                    "ring_all_reduce": lambda t, op: ring_all_reduce(t, op, group),
+                    "ring_all_reduce(block=64)": lambda t, op: ring_all_reduce(t, op, group, block=64),
+                    "naive_all_reduce": lambda t, op: naive_all_reduce(t, op, group),
+                    "recursive_doubling_all_reduce": lambda t, op: recursive_doubling_all_reduce(t, op, group),
+                }
+                for algo_name, algo in algos.items():
+                    got = algo(xs[rank].clone(), op)
                     for problem in (
-                        _close(f"{name} {algo.__name__} vs exact", got, exact, to_exact),
-                        _close(f"{name} {algo.__name__} vs dist.all_reduce", got, native, to_native),
+                        _close(f"{name} {algo_name} vs exact", got, exact, to_exact),
+                        _close(f"{name} {algo_name} vs dist.all_reduce", got, native, to_native),
                     ):
                         if problem:
                             bad.append(problem)
                     everyone = [torch.empty_like(got) for _ in range(p)]
                     dist.all_gather(everyone, got.contiguous(), group=group)
                     if not all(torch.equal(e, got) for e in everyone):
-                        bad.append(f"{name} {algo.__name__}: ranks hold different results")
+                        bad.append(f"{name} {algo_name}: ranks hold different results")
                 # reduce-scatter: this rank's chunk of the flat result
                 shard = torch.empty(size[rank], dtype=dtype)
-                ring_reduce_scatter(shard, xs[rank], op, group)
+                ring_reduce_scatter(shard, xs[rank], op, group, block=64 if case % 2 else 1 << 20)
                 lo, hi = off[rank], off[rank + 1]
 
                 def flat(t: torch.Tensor, lo: int = lo, hi: int = hi) -> torch.Tensor:
@@ -128,7 +135,7 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
                     continue
                 # all-gather: every rank's chunk lands in place, bit for bit
                 whole = torch.full(shape, float("nan"), dtype=dtype)
-                ring_all_gather(whole, xs[rank].reshape(-1)[lo:hi].clone(), group)
+                ring_all_gather(whole, xs[rank].reshape(-1)[lo:hi].clone(), group, block=64 if case % 2 else 1 << 20)
                 want = torch.cat([xs[r].reshape(-1)[off[r] : off[r + 1]] for r in range(p)]).reshape(shape)
                 if not torch.equal(whole, want):
                     bad.append(f"{name} ring_all_gather: differs from the concatenated shards")
@@ -297,3 +304,37 @@ def test_bench_records_follow_nccl_tests_definitions() -> None:
         assert r.algbw == pytest.approx(r.nbytes / r.time_s)
         assert r.busbw == pytest.approx(r.algbw * cm.busbw_factor(r.op, 2))
     assert "ours/torch" in format_table(records)
+
+
+# ---- the exercise check: passes a correct ring, explains a wrong one ---------------------------
+
+
+def _off_by_one_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor, group: object = None) -> None:
+    """A classic learner bug: adds its own data of chunk r-s-1 (the one it sent) instead of r-s-2."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = input_full.tensor_split(p)
+    partial = chunks[(rank - 1) % p].clone()
+    for step in range(p - 1):
+        c = (rank - step - 1) % p  # should be (rank - step - 2) % p
+        incoming = torch.empty_like(chunks[c])
+        ops = [dist.P2POp(dist.isend, partial, (rank + 1) % p), dist.P2POp(dist.irecv, incoming, (rank - 1) % p)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        partial = incoming + chunks[c]
+    output_shard.copy_(partial)
+
+
+@pytest.mark.timeout(120)
+def test_exercise_check_passes_labkit_ring_and_explains_a_wrong_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from labkit.checks.collectives import check_ring
+    from labkit.checks.core import CheckFailed
+    from labkit.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+
+    check_ring(ring_reduce_scatter, ring_all_gather, ring_all_reduce)
+    assert "PASSED" in capsys.readouterr().out
+    with pytest.raises(CheckFailed) as failure:
+        check_ring(_off_by_one_reduce_scatter, ring_all_gather)
+    message = str(failure.value)
+    assert "reduce_scatter, 6 elements, rank 0's shard (chunk 0)" in message  # which rank, which chunk
+    assert "reduce-scatter step 1: rank 0 sent to rank 1" in message  # which step
+    assert "<-- differs" in message and "chunks got mixed" in message

@@ -98,16 +98,16 @@ def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def isend(tensor: torch.Tensor, peer: int) -> dist.Work:
+def isend(tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
     """``dist.isend`` to global rank ``peer``; returns the handle to ``wait()`` on."""
-    work = dist.isend(tensor, peer)
+    work = dist.isend(tensor, peer, tag=tag)
     assert work is not None  # None only for ranks outside the group, which never get here
     return work
 
 
-def irecv(tensor: torch.Tensor, peer: int) -> dist.Work:
+def irecv(tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
     """``dist.irecv`` from global rank ``peer``; returns the handle to ``wait()`` on."""
-    work = dist.irecv(tensor, peer)
+    work = dist.irecv(tensor, peer, tag=tag)
     assert work is not None
     return work
 

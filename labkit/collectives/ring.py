@@ -27,8 +27,10 @@ Implementation choices (the reason this file is fast, not only correct):
 * Nothing is allocated per call: partial results live in two chunk-sized buffers from a
   :class:`~labkit.collectives.common.BufferPool`, used alternately (receive into one while
   the other is being sent). All-gather receives straight into the output: zero copies.
-* Each step is cut into ``block`` byte pieces so the reduction of one piece overlaps the
-  arrival of the next.
+* Every chunk travels as ``block``-byte pieces (1 MB), a pipeline: a piece is reduced while
+  the next one arrives; in the all-gather a piece is forwarded the moment it lands; and in
+  the all-reduce each finished piece of the reduce-scatter leaves for the all-gather at once,
+  so the two phases overlap instead of running back to back.
 * float16/bfloat16: partials travel and are added in float32, so the result is the float32
   sum rounded once to the input dtype (error within 1 ulp of the exact sum, while a native
   16-bit ring rounds at every hop). The reduce-scatter phase then moves twice the bytes.
@@ -43,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from labkit.collectives.common import (
@@ -65,10 +68,16 @@ __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "Trace"]
 # trace(phase, step, chunk, data): called on the receiving rank after each receive, with the
 # chunk index and what arrived (the notebook draws the ring from it).
 Trace = Callable[[str, int, int, torch.Tensor], None]
-BLOCK_BYTES = 8 << 20  # pieces of one step; large enough that per-message latency is amortised
+BLOCK_BYTES = 1 << 20  # message size: small enough to pipeline, large enough to amortise alpha
+_TAG_RS, _TAG_AG = 1, 2  # separate tags: all-gather pieces may overtake the reduce-scatter's
 
 
 def _pieces(n: int, itemsize: int, block: int) -> list[tuple[int, int]]:
+    """Cut ``n`` elements into messages of ``block`` bytes of the *input* dtype.
+
+    Both ends of a link must cut a chunk identically (gloo lets a short message land in a
+    longer buffer without complaint), so the cut never depends on the accumulation dtype.
+    """
     step = max(1, block // itemsize)
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
@@ -81,10 +90,13 @@ def _reduce_scatter_core(
     pool: BufferPool,
     trace: Trace | None,
     block: int,
+    gather: _RingAllGather | None = None,
 ) -> None:
-    """Ring reduce-scatter of flat ``inp`` into flat ``out`` (chunk ``rank``); AVG divides at the end.
+    """Ring reduce-scatter of flat ``inp`` into flat ``out`` (chunk ``rank``); AVG divides here.
 
-    ``out`` may alias ``inp``'s own chunk: that chunk is only read in the last step.
+    ``out`` may alias ``inp``'s own chunk: that chunk is only read in the last step. With
+    ``gather`` (all-reduce), each finished piece of ``out`` is handed to the all-gather at once,
+    so the all-gather's first step overlaps the reduce-scatter's last one.
     """
     rank, p = group_rank_and_size(group)
     n = inp.numel()
@@ -99,57 +111,86 @@ def _reduce_scatter_core(
     send = mine((rank - 1) % p)
     if acc != inp.dtype:  # partials travel in float32: stage our first chunk there too
         send = bufs[1][: send.numel()].copy_(send)
-    direct = False
     for s in range(p - 1):
         c = (rank - s - 2) % p  # the chunk whose partial arrives this step
         recv = bufs[s % 2][: size[c]]
         last = s == p - 2
         # post every piece's receive and send at once; reduce pieces as they land
-        recvs = [irecv(recv[a:b], left) for a, b in _pieces(size[c], recv.element_size(), block)]
-        sends = [isend(send[a:b], right) for a, b in _pieces(send.numel(), send.element_size(), block)]
+        pieces = _pieces(size[c], inp.element_size(), block)
+        recvs = [irecv(recv[a:b], left, _TAG_RS) for a, b in pieces]
+        sends = [isend(send[a:b], right, _TAG_RS) for a, b in _pieces(send.numel(), inp.element_size(), block)]
+        if last and gather is not None:
+            gather.post_recvs()
         direct = last and acc == inp.dtype and op in (ReduceOp.SUM, ReduceOp.AVG)
-        for work, (a, b) in zip(recvs, _pieces(size[c], recv.element_size(), block)):
+        for work, (a, b) in zip(recvs, pieces):
             work.wait()
             if direct:  # the last partial plus ours goes straight into the output
                 torch.add(recv[a:b], mine(c)[a:b], out=out[a:b])
             else:
                 combine_(recv[a:b], mine(c)[a:b], op)
+            if last:
+                result = out[a:b] if direct else recv[a:b]
+                if op == ReduceOp.AVG:
+                    result.div_(p)
+                if not direct:
+                    out[a:b].copy_(result)  # the float32 result, rounded once to the output dtype
+                if gather is not None:
+                    gather.send_own(a, b)
         for work in sends:
             work.wait()
         if trace is not None:
-            trace("reduce-scatter", s, c, out if direct else recv)
+            trace("reduce-scatter", s, c, out if last else recv)
         send = recv
-    if direct:
-        if op == ReduceOp.AVG:
-            out.div_(p)
-        return
-    if op == ReduceOp.AVG:
-        send.div_(p)
-    out.copy_(send)  # the (float32) result, rounded once to the output dtype
 
 
-def _all_gather_core(
-    out: torch.Tensor,
-    group: ProcessGroup | None,
-    trace: Trace | None,
-    block: int,
-) -> None:
-    """Ring all-gather in place: ``out``'s chunk ``rank`` is filled, the others arrive."""
-    rank, p = group_rank_and_size(group)
-    n = out.numel()
-    size, off = chunk_sizes(n, p), chunk_offsets(n, p)
-    right, left = global_rank(group, (rank + 1) % p), global_rank(group, (rank - 1) % p)
-    itemsize = out.element_size()
-    for s in range(p - 1):
-        c_send, c_recv = (rank - s) % p, (rank - s - 1) % p
-        recv = out[off[c_recv] : off[c_recv] + size[c_recv]]
-        send = out[off[c_send] : off[c_send] + size[c_send]]
-        works = [irecv(recv[a:b], left) for a, b in _pieces(recv.numel(), itemsize, block)]
-        works += [isend(send[a:b], right) for a, b in _pieces(send.numel(), itemsize, block)]
-        for w in works:
-            w.wait()
-        if trace is not None:
-            trace("all-gather", s, c_recv, recv)
+class _RingAllGather:
+    """Ring all-gather in place on flat ``out``, pipelined piece by piece.
+
+    Every receive lands in a different chunk of ``out``, so all ``(p-1)`` steps' receives are
+    posted up front; a piece that arrives at step ``s`` is forwarded to the right at once as a
+    piece of step ``s + 1``. Sender and receiver cut each chunk into the same pieces, and gloo
+    matches messages of one tag in order, so every piece lands where it belongs.
+    """
+
+    def __init__(self, out: torch.Tensor, group: ProcessGroup | None, block: int):
+        self.rank, self.p = group_rank_and_size(group)
+        self.out, self.block = out, block
+        self.size, self.off = chunk_sizes(out.numel(), self.p), chunk_offsets(out.numel(), self.p)
+        self.right = global_rank(group, (self.rank + 1) % self.p)
+        self.left = global_rank(group, (self.rank - 1) % self.p)
+        self.recvs: list[tuple[int, int, int, int, dist.Work]] = []
+        self.sends: list[dist.Work] = []
+
+    def chunk(self, c: int) -> torch.Tensor:
+        return self.out[self.off[c] : self.off[c] + self.size[c]]
+
+    def pieces(self, c: int) -> list[tuple[int, int]]:
+        return _pieces(self.size[c], self.out.element_size(), self.block)
+
+    def post_recvs(self) -> None:
+        for s in range(self.p - 1):
+            c = (self.rank - s - 1) % self.p
+            for a, b in self.pieces(c):
+                self.recvs.append((s, c, a, b, irecv(self.chunk(c)[a:b], self.left, _TAG_AG)))
+
+    def send_own(self, a: int, b: int) -> None:
+        """Step 0: send a finished piece of this rank's own chunk."""
+        self.sends.append(isend(self.chunk(self.rank)[a:b], self.right, _TAG_AG))
+
+    def run(self, trace: Trace | None, own_sent: bool = False) -> None:
+        if not self.recvs:
+            self.post_recvs()
+        if not own_sent:
+            for a, b in self.pieces(self.rank):
+                self.send_own(a, b)
+        for s, c, a, b, work in self.recvs:
+            work.wait()
+            if s < self.p - 2:  # forward at once: it is what the right neighbour needs next
+                self.sends.append(isend(self.chunk(c)[a:b], self.right, _TAG_AG))
+            if trace is not None and b == self.size[c]:
+                trace("all-gather", s, c, self.chunk(c))
+        for work in self.sends:
+            work.wait()
 
 
 def ring_reduce_scatter(
@@ -219,8 +260,8 @@ def ring_all_gather(
     mine = flat[start : start + input_shard.numel()]
     if input_shard.numel() and mine.data_ptr() != input_shard.data_ptr():
         mine.copy_(input_shard.view(-1))
-    if n > 0:
-        _all_gather_core(flat, group, trace, block)
+    if n > 0 and p > 1:
+        _RingAllGather(flat, group, block).run(trace)
     return output_full
 
 
@@ -254,6 +295,7 @@ def ring_all_reduce(
         return tensor
     flat = tensor.view(-1)
     start, stop = chunk_offsets(n, p)[rank : rank + 2]
-    _reduce_scatter_core(flat[start:stop], flat, op, group, pool, trace, block)
-    _all_gather_core(flat, group, trace, block)
+    gather = _RingAllGather(flat, group, block)
+    _reduce_scatter_core(flat[start:stop], flat, op, group, pool, trace, block, gather)
+    gather.run(trace, own_sent=True)
     return tensor
