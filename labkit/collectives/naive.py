@@ -30,7 +30,7 @@ from labkit.collectives.common import (
     isend,
     local_problem,
 )
-from labkit.collectives.tree import _codes, agree
+from labkit.collectives.tree import agree, op_dtype_fields
 
 __all__ = ["naive_all_reduce"]
 
@@ -54,11 +54,8 @@ def naive_all_reduce(
     problem = local_problem(what, {"tensor": tensor}, op)
     if problem is None and not 0 <= root < p:
         problem = f"{what}: root must be a rank of the group (0..{p - 1}), got {root}"
-    if check:
-        fields = {"numel": tensor.numel(), "root": root, **_codes(op, tensor.dtype)}
-        agree(what, fields, problem, group, tensor.device, pool)
-    elif problem is not None:
-        raise ValueError(problem)
+    fields = {"numel": tensor.numel(), "root": root, **op_dtype_fields(op, tensor.dtype)}
+    agree(what, fields, problem, group, tensor.device, pool, check=check)
     if p == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)

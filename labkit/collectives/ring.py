@@ -61,7 +61,7 @@ from labkit.collectives.common import (
     isend,
     local_problem,
 )
-from labkit.collectives.tree import _codes, agree
+from labkit.collectives.tree import agree, op_dtype_fields
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "Trace"]
 
@@ -217,10 +217,7 @@ def ring_reduce_scatter(
     n = input_full.numel()
     tensors = {"output_shard": output_shard, "input_full": input_full}
     problem = local_problem(what, tensors, op, {"output_shard": chunk_sizes(n, p)[rank]})
-    if check:
-        agree(what, {"numel of input_full": n, **_codes(op, input_full.dtype)}, problem, group, input_full.device, pool)
-    elif problem is not None:
-        raise ValueError(problem)
+    agree(what, {"numel of input_full": n, **op_dtype_fields(op, input_full.dtype)}, problem, group, input_full.device, pool, check=check)
     if p == 1:
         output_shard.view(-1).copy_(input_full.view(-1))
     elif n > 0:
@@ -251,10 +248,7 @@ def ring_all_gather(
     n = output_full.numel()
     tensors = {"output_full": output_full, "input_shard": input_shard}
     problem = local_problem(what, tensors, None, {"input_shard": chunk_sizes(n, p)[rank]})
-    if check:
-        agree(what, {"numel of output_full": n, **_codes(None, output_full.dtype)}, problem, group, output_full.device, pool)
-    elif problem is not None:
-        raise ValueError(problem)
+    agree(what, {"numel of output_full": n, **op_dtype_fields(None, output_full.dtype)}, problem, group, output_full.device, pool, check=check)
     flat = output_full.view(-1)
     start = chunk_offsets(n, p)[rank]
     mine = flat[start : start + input_shard.numel()]
@@ -287,10 +281,7 @@ def ring_all_reduce(
     rank, p = group_rank_and_size(group)
     n = tensor.numel()
     problem = local_problem(what, {"tensor": tensor}, op)
-    if check:
-        agree(what, {"numel": n, **_codes(op, tensor.dtype)}, problem, group, tensor.device, pool)
-    elif problem is not None:
-        raise ValueError(problem)
+    agree(what, {"numel": n, **op_dtype_fields(op, tensor.dtype)}, problem, group, tensor.device, pool, check=check)
     if p == 1 or n == 0:
         return tensor
     flat = tensor.view(-1)

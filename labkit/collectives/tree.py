@@ -47,7 +47,7 @@ from labkit.collectives.common import (
     local_problem,
 )
 
-__all__ = ["recursive_doubling_all_reduce", "broadcast", "agree"]
+__all__ = ["recursive_doubling_all_reduce", "broadcast", "agree", "op_dtype_fields"]
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
@@ -88,14 +88,21 @@ def agree(
     group: ProcessGroup | None,
     device: torch.device,
     pool: BufferPool = DEFAULT_POOL,
+    check: bool = True,
 ) -> None:
     """Raise the same ValueError on every rank unless all ranks have no ``problem`` and equal ``fields``.
+
+    With ``check=False`` nothing is exchanged: only this rank's own ``problem`` is raised.
 
     Each rank fills its own row of a ``p x (1 + len(fields))`` int64 table (zeros elsewhere);
     a recursive-doubling SUM gives every rank the whole table in ``log2 p`` steps. Cost: about
     ``log2(p) * alpha``, negligible next to a large collective, and the price of never hanging.
     Every rank must call ``agree``, which holds because every rank calls the collective.
     """
+    if not check:
+        if problem is not None:
+            raise ValueError(problem)
+        return
     rank, p = group_rank_and_size(group)
     names = list(fields)
     table = torch.zeros(p, 1 + len(names), dtype=torch.int64, device=device)
@@ -118,7 +125,8 @@ def agree(
             )
 
 
-def _codes(op: object, dtype: torch.dtype) -> dict[str, int]:
+def op_dtype_fields(op: object, dtype: torch.dtype) -> dict[str, int]:
+    """The op and dtype as integers for :func:`agree` (-1: unsupported or not applicable)."""
     op_code = SUPPORTED_OPS.index(op) if op in SUPPORTED_OPS else -1  # type: ignore[arg-type]
     dtype_code = SUPPORTED_DTYPES.index(dtype) if dtype in SUPPORTED_DTYPES else -1
     return {"reduce op (index in SUM, AVG, MAX, MIN)": op_code, "dtype (index in float32, float64, bfloat16, float16)": dtype_code}
@@ -140,10 +148,7 @@ def recursive_doubling_all_reduce(
     """
     what = "recursive_doubling_all_reduce"
     problem = local_problem(what, {"tensor": tensor}, op)
-    if check:
-        agree(what, {"numel": tensor.numel(), **_codes(op, tensor.dtype)}, problem, group, tensor.device, pool)
-    elif problem is not None:
-        raise ValueError(problem)
+    agree(what, {"numel": tensor.numel(), **op_dtype_fields(op, tensor.dtype)}, problem, group, tensor.device, pool, check=check)
     _, p = group_rank_and_size(group)
     flat = tensor.view(-1)
     acc = accum_dtype(tensor.dtype)
@@ -174,11 +179,8 @@ def broadcast(
     problem = local_problem(what, {"tensor": tensor})
     if problem is None and not 0 <= src < p:
         problem = f"{what}: src must be a rank of the group (0..{p - 1}), got {src}"
-    if check:
-        fields = {"numel": tensor.numel(), "src": src, **_codes(None, tensor.dtype)}
-        agree(what, fields, problem, group, tensor.device, pool)
-    elif problem is not None:
-        raise ValueError(problem)
+    fields = {"numel": tensor.numel(), "src": src, **op_dtype_fields(None, tensor.dtype)}
+    agree(what, fields, problem, group, tensor.device, pool, check=check)
     if tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)
