@@ -5,9 +5,9 @@ the bytes per category (current after the last step and peak over the steps), th
 sent per collective, and the prediction of :mod:`labkit.memory.model` for the same run, so
 callers can put measured next to predicted.
 
-How allocations get their category: the ZeRO classes label the buffers they own (flat
-parameters, gradient buffers or shards, Adam moments, communication buffers) through their
-``label`` hook; everything allocated in forward is an activation; whatever else appears
+How allocations get their category: the ZeRO classes allocate the buffers they own (flat
+parameters, gradient buffers or shards, Adam moments, communication buffers) inside
+``tracker.category(...)`` (their ``memory=`` argument); everything allocated in forward is an activation; whatever else appears
 during backward and ``step`` (autograd's per-parameter gradients before they are reduced,
 Adam's scratch, all-gather inputs) is a temporary.
 """
@@ -59,7 +59,7 @@ def measure(
     device = device or torch.device("cpu")
     with tracker_for(device) as mt:
         model = build_model().to(device)
-        opt = make_optimizer(stage, model, cfg, label=mt.register, **opt_kwargs)
+        opt = make_optimizer(stage, model, cfg, memory=mt, **opt_kwargs)
         frozen = [p for p in model.parameters() if not p.requires_grad]
         mt.register(frozen, "parameters")
         mt.reset_peak()

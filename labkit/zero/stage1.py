@@ -28,8 +28,10 @@ directly), each unit one flat buffer padded to a multiple of N. Frozen parameter
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,20 @@ from labkit.zero.partition import FlatLayout, flat_layout, flatten_into, param_v
 
 __all__ = ["Unit", "make_units", "ZeRO1", "DDPAdam"]
 
-Label = Callable[[torch.Tensor, str], None]  # (tensor, memory category): the ledger's hook
+class Ledger(Protocol):
+    """Where ZeRO files its buffers: :class:`labkit.memory.MemoryTracker` fits."""
+
+    def register(self, tensors: torch.Tensor, category: str) -> None: ...
+
+    def category(self, name: str) -> AbstractContextManager[None]: ...
+
+
+class _NoLedger:
+    def register(self, tensors: torch.Tensor, category: str) -> None:
+        return None
+
+    def category(self, name: str) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 @dataclass(eq=False)
@@ -99,7 +114,7 @@ class ZeRO1:
 
     shard_optimizer = True
 
-    def __init__(self, model: nn.Module, cfg: AdamConfig | None = None, *, group: ProcessGroup | None = None, comm_impl: str = "torch", wrap: Sequence[nn.Module] | None = None, param_dtype: torch.dtype = torch.float32, label: Label | None = None) -> None:
+    def __init__(self, model: nn.Module, cfg: AdamConfig | None = None, *, group: ProcessGroup | None = None, comm_impl: str = "torch", wrap: Sequence[nn.Module] | None = None, param_dtype: torch.dtype = torch.float32, memory: Ledger | None = None) -> None:
         if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be float32, bfloat16 or float16, got {param_dtype}")
         self.param_dtype = param_dtype
@@ -108,7 +123,7 @@ class ZeRO1:
         self.comm = Comm(group, comm_impl)
         self.group = group
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.label: Label = label or (lambda t, c: None)
+        self.memory: Ledger = memory or _NoLedger()  # a tracker: each buffer allocated in its category
         self.step_count = 0
         self.device = next(iter(model.parameters())).device
         self.units: list[Unit] = []
@@ -122,9 +137,8 @@ class ZeRO1:
 
     # ----------------------------------------------------------------- construction
     def _zeros(self, n: int, category: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        t = torch.zeros(n, dtype=dtype, device=self.device)
-        self.label(t, category)
-        return t
+        with self.memory.category(category):
+            return torch.zeros(n, dtype=dtype, device=self.device)
 
     def _full_params(self, u: Unit) -> torch.Tensor:
         """The unit's parameters as one fp32 (padded,) buffer, identical on every rank."""
@@ -138,11 +152,11 @@ class ZeRO1:
         lo, hi = u.layout.shard_range(self.rank) if self.shard_optimizer else (0, u.layout.padded)
         if self.param_dtype == torch.float32:
             u.flat = full32
-            self.label(u.flat, "parameters")
+            self.memory.register(u.flat, "parameters")
         else:  # mixed precision: 16-bit compute copy + fp32 master of my shard (the paper's K=12)
             u.flat = self._zeros(u.layout.padded, "parameters", self.param_dtype).copy_(full32)
-            u.master = full32[lo:hi].clone()
-            self.label(u.master, "optimizer_state")
+            with self.memory.category("optimizer_state"):
+                u.master = full32[lo:hi].clone()
         del full32
         for p, view in zip(u.params, param_views(u.flat, u.layout, u.shapes)):
             p.data = view  # the module now computes with a view into the flat buffer

@@ -60,8 +60,8 @@ class ZeRO3(ZeRO2):
         super()._build(u)
         assert u.flat is not None
         lo, hi = u.layout.shard_range(self.rank)
-        u.shard = u.flat[lo:hi].clone()  # my parameters, own storage: the full buffer goes
-        self.label(u.shard, "parameters")
+        with self.memory.category("parameters"):
+            u.shard = u.flat[lo:hi].clone()  # my parameters, own storage: the full buffer goes
         if self.param_dtype == torch.float32:
             u.master = u.shard
         self._free(u)
