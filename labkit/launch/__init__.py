@@ -30,7 +30,8 @@ Invariants the tests hold this module to:
 Under ``torchrun`` the same worker functions run unchanged through :func:`run_from_env`.
 
 Read in this order: ``config.py`` (what a launch is asked to do, its errors), ``launcher.py``
-(the caller's side), ``agent.py`` (the elastic agent), ``rank.py`` (what runs on a rank).
+(the caller's side), ``agent.py`` (the elastic agent), ``rank.py`` (what runs on a rank),
+``report.py`` (who to blame when it fails, and where each rank was stuck).
 """
 
 import sys
