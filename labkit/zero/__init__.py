@@ -8,7 +8,7 @@ Read in this order: :mod:`~labkit.zero.partition` (the pure flat layout), :mod:`
 
 from labkit.zero.adam import AdamConfig, adamw_
 from labkit.zero.comm import Comm
-from labkit.zero.ledger import STAGE_CLASSES, make_optimizer, measure
+from labkit.zero.ledger import STAGE_CLASSES, make_optimizer, measure, measure_gpt
 from labkit.zero.partition import FlatLayout, Piece, flat_layout
 from labkit.zero.stage1 import DDPAdam, ZeRO1
 from labkit.zero.stage2 import ZeRO2
@@ -28,4 +28,5 @@ __all__ = [
     "flat_layout",
     "make_optimizer",
     "measure",
+    "measure_gpt",
 ]
