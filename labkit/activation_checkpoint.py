@@ -246,22 +246,39 @@ def step_activation_bytes(model: nn.Module, *inputs: Any) -> dict[str, int]:
 
 
 def policy_costs(
-    make_model: Callable[[], nn.Module], inputs: tuple[Any, ...], policy: Policy, *, impl: str = "labkit", repeats: int = 5
-) -> dict[str, float]:
-    """FLOPs, peak activation bytes and best-of-``repeats`` step seconds of one ``policy``
-    on a fresh ``make_model()`` whose ``.blocks`` get wrapped. Time is measured untracked, and
-    the minimum is the estimate least disturbed by other processes on a shared machine."""
+    make_model: Callable[[], nn.Module],
+    inputs: tuple[Any, ...],
+    policies: dict[str, Policy],
+    *,
+    impls: tuple[str, ...] = ("labkit", "torch"),
+    repeats: int = 5,
+) -> dict[tuple[str, str], dict[str, float]]:
+    """For each (policy name, impl): FLOPs, peak activation bytes and step seconds of a fresh
+    ``make_model()`` whose ``.blocks`` are wrapped by that policy.
+
+    Step times are taken round-robin over all configurations (a burst of load from another
+    process then hits all of them alike), and each is the best of ``repeats``: on a shared
+    machine the minimum is the estimate least disturbed by others. Memory and FLOPs are
+    measured separately from timing (the tracker slows a step down).
+    """
     import time
 
-    model = make_model()
-    apply_activation_checkpointing(model.blocks, policy, impl=impl)  # type: ignore[arg-type]
-    flops = step_flops(model, *inputs)
-    memory = step_activation_bytes(model, *inputs)
-    times = []
-    model(*inputs).backward()  # warm-up: first calls allocate and pick kernels
+    models: dict[tuple[str, str], nn.Module] = {}
+    costs: dict[tuple[str, str], dict[str, float]] = {}
+    for name, policy in policies.items():
+        for impl in impls:
+            model = make_model()
+            apply_activation_checkpointing(model.blocks, policy, impl=impl)  # type: ignore[arg-type]
+            models[name, impl] = model
+            costs[name, impl] = {
+                "flops": step_flops(model, *inputs),  # also the warm-up step
+                "activation_bytes": step_activation_bytes(model, *inputs)["activations"],
+                "seconds": float("inf"),
+            }
     for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        model(*inputs).backward()
-        times.append(time.perf_counter() - start)
-    return {"flops": flops, "activation_bytes": memory["activations"], "seconds": min(times)}
+        for key, model in models.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            model(*inputs).backward()
+            costs[key]["seconds"] = min(costs[key]["seconds"], time.perf_counter() - start)
+    return costs
