@@ -27,7 +27,7 @@ Implementation choices (the reason this file is fast, not only correct):
 * Nothing is allocated per call: partial results live in two chunk-sized buffers from a
   :class:`~labkit.collectives.common.BufferPool`, used alternately (receive into one while
   the other is being sent). All-gather receives straight into the output: zero copies.
-* Every chunk travels as ``block``-byte pieces (1 MB), a pipeline: a piece is reduced while
+* Every chunk travels as a few pieces (at most 4, at least 1 MB each), a pipeline: a piece is reduced while
   the next one arrives; in the all-gather a piece is forwarded the moment it lands; and in
   the all-reduce each finished piece of the reduce-scatter leaves for the all-gather at once,
   so the two phases overlap instead of running back to back.
@@ -68,17 +68,21 @@ __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "Trace"]
 # trace(phase, step, chunk, data): called on the receiving rank after each receive, with the
 # chunk index and what arrived (the notebook draws the ring from it).
 Trace = Callable[[str, int, int, torch.Tensor], None]
-BLOCK_BYTES = 1 << 20  # message size: small enough to pipeline, large enough to amortise alpha
+BLOCK_BYTES = 1 << 20  # smallest message: large enough to amortise alpha
+MAX_PIECES = 4  # most messages per chunk per step: enough to overlap, few wake-ups
 _TAG_RS, _TAG_AG = 1, 2  # separate tags: all-gather pieces may overtake the reduce-scatter's
 
 
 def _pieces(n: int, itemsize: int, block: int) -> list[tuple[int, int]]:
-    """Cut ``n`` elements into messages of ``block`` bytes of the *input* dtype.
+    """Cut a chunk of ``n`` elements into at most MAX_PIECES messages of at least ``block`` bytes.
+
+    Why both bounds: pieces pipeline the reduction with the transfer, but every piece costs a
+    wake-up of this thread, which on a busy 2-core machine can cost more than it saves.
 
     Both ends of a link must cut a chunk identically (gloo lets a short message land in a
     longer buffer without complaint), so the cut never depends on the accumulation dtype.
     """
-    step = max(1, block // itemsize)
+    step = max(1, block // itemsize, -(-n // MAX_PIECES))
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
