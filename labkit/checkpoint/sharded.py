@@ -28,7 +28,9 @@ Atomicity (a crash at any instant never destroys the previous good checkpoint):
 Readers only ever look at ``step_*`` folders, so a crash before step 3 leaves a ``.tmp-*``
 folder that is ignored (and cleaned by the next save). Loading checks every file's size and
 sha256 before unpickling, and unpickles with ``weights_only=True`` (tensors and plain
-containers only, never arbitrary code). Assumes a filesystem all ranks share.
+containers only, never arbitrary code). Every reader hashes every file, which is fine at this
+kit's sizes; at scale each rank would verify only the shards it reads. Assumes a filesystem
+all ranks share.
 """
 
 from __future__ import annotations
