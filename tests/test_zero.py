@@ -27,7 +27,7 @@ from labkit.memory.model import (
     transformer_activation_bytes,
     zero_table1,
 )
-from labkit.zero import flat_layout, make_optimizer
+from labkit.zero import AdamConfig, flat_layout, make_optimizer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
 
@@ -106,6 +106,15 @@ def test_memory_model_formulas():
         make_optimizer("zero9", nn.Linear(2, 2))
 
 
+def test_bad_options_fail_before_any_communication():
+    with pytest.raises(ValueError, match="param_dtype must be float32, bfloat16 or float16, got torch.int8"):
+        make_optimizer("zero1", nn.Linear(2, 2), param_dtype=torch.int8)
+    with pytest.raises(ValueError, match="unknown collective implementation 'mpi'"):
+        make_optimizer("zero2", nn.Linear(2, 2), comm_impl="mpi")
+    with pytest.raises(ValueError, match="invalid AdamW hyper-parameters"):
+        AdamConfig(lr=-1.0)
+
+
 # --------------------------------------------------------------------------- equivalence
 class Toy(nn.Module):
     def __init__(self) -> None:
@@ -147,8 +156,6 @@ def _data(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train_all_variants() -> list:
     import torch.distributed as dist
 
-    from labkit.zero import AdamConfig
-
     rank, n = dist.get_rank(), dist.get_world_size()
     results = []
     for stage, kw in VARIANTS:
@@ -160,7 +167,7 @@ def _train_all_variants() -> list:
         for step in range(STEPS):
             opt.zero_grad()
             for micro in range(ACCUM):
-                x, y = _data(step, micro)  # (BATCH, 7): this rank takes rows rank::n-chunk
+                x, y = _data(step, micro)  # (BATCH, 7): rank r trains on chunk r of the batch
                 loss = nn.functional.mse_loss(model(x.chunk(n)[rank]), y.chunk(n)[rank]) / ACCUM
                 loss.backward()
             opt.step()
