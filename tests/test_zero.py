@@ -5,9 +5,15 @@
 * every stage trained 3 steps with gradient accumulation 2 on 2 and 3 ranks equals
   single-process torch.optim.AdamW on the full batch (parameters and both Adam moments,
   consolidated on rank 0), with a parameter of 35 elements (divisible by neither 2 nor 3),
-  a module called twice per forward and a frozen parameter;
-* the measured ledger of a 10.7M-parameter GPT agrees with the model within 5% for every
-  model-state category and every stage, and the bytes sent match 2Psi / 3Psi.
+  a module called twice per forward, a weight shared by two modules and a frozen
+  parameter; also with prefetching, labkit's ring collectives and FSDP-style wrapping;
+* with bf16 parameters and fp32 master weights every stage matches labkit.precision's
+  single-process MixedPrecisionTrainer (within bf16 rounding of the gradients);
+* bad options raise before any communication;
+* the measured ledger of a 10.7M-parameter GPT on 2 and 4 ranks agrees with the model within
+  5% for every model-state category and every stage (fp32, and bf16 + fp32 master for
+  ZeRO-1/3), the bytes sent match 2Psi / 3Psi, ZeRO-2/3 never hold more than a fraction of
+  the full gradients/parameters as temporaries, and peaks order DDP > ZeRO-1 > 2 > 3.
 """
 
 from __future__ import annotations
