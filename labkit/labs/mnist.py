@@ -82,7 +82,7 @@ def lr_at(step: int, lr: float, warmup_steps: int) -> float:
     """Linear warmup: ``lr * (step + 1) / warmup_steps`` for the first steps, then ``lr``."""
     if warmup_steps == 0 or step >= warmup_steps:
         return lr
-    return lr * (step + 1) / warmup_steps
+    return lr * ((step + 1) / warmup_steps)  # reaches exactly lr at step warmup_steps - 1
 
 
 def _progress(step: int, total: int, loss: float, rate: float, width: int = 20) -> str:
