@@ -74,6 +74,14 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
             if name == "overlapped_custom_fn":
                 out[("custom_fn_calls", accum)] = calls["n"]
 
+    # group=: ranks 1 and 2 of 3 train as their own data-parallel group; rank 0 sits it out.
+    if dist.get_world_size() == 3:
+        sub = dist.new_group([1, 2])  # every rank must create it, members or not
+        if dist.get_rank() in (1, 2):
+            for name in ("naive", "overlapped"):
+                wrap = lambda m, c=VARIANTS[name]: c(m, group=sub)  # noqa: E731
+                out[("subgroup", name)] = eq.train_distributed(wrap, steps=STEPS, accum=3, group=sub)[0]
+
     # One recorded step of each bucketed flavour, for the timeline invariants.
     for name in ("bucketed", "overlapped"):
         model = wraps[name](eq.AwkwardNet())
@@ -156,6 +164,18 @@ def test_frozen_parameter_never_moves_and_tied_weight_reduced_once(world):
             # tied.weight is one Parameter used twice: counted once, frozen.weight not at all
             assert reduced == [eq.trainable_numel()] * STEPS, (variant, reduced)
     assert "tied.weight" in refs[1][0] and "frozen.weight" in refs[1][0]
+
+
+@pytest.mark.timeout(150)
+def test_explicit_subgroup_averages_over_its_members_only(world):
+    w, results, refs = world
+    if w != 3:
+        pytest.skip("the subgroup case runs on 3 ranks")
+    assert ("subgroup", "naive") not in results[0]
+    for rank in (1, 2):
+        for name in ("naive", "overlapped"):
+            miss = eq.first_divergence(refs[3], results[rank][("subgroup", name)])
+            assert miss is None, f"{name} on group [1, 2], rank {rank}: {miss}"
 
 
 @pytest.mark.timeout(150)

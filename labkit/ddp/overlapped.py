@@ -23,6 +23,12 @@ Two rules keep it correct:
 * **Everything is sent before the step.** A parameter that got no gradient on this rank
   never fires its hook; :meth:`finish_gradient_sync` launches whatever is left (zeros plus
   a "not used" flag), then waits for every bucket and writes the averages back.
+
+What we leave out: a bucket holding a parameter unused *on this rank* is only sent from
+``finish_gradient_sync``, and the in-order rule holds every later bucket back with it (correct,
+just less overlap). torch DDP's ``find_unused_parameters=True`` walks the autograd graph after
+forward to mark such parameters ready at once; it also rebuilds buckets in the gradient order
+observed in the first iteration, and can make ``.grad`` a view into the bucket to save a copy.
 """
 
 from __future__ import annotations
