@@ -84,6 +84,21 @@ def test_raising_rank_is_named_with_its_traceback_fast(job_tag, tmp_path):
     assert err.log_dir is not None and any(err.log_dir.rglob("stdout.log"))
 
 
+def _killed_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)  # no Python record can be written
+    dist.all_reduce(torch.zeros(1))
+    dist.all_reduce(torch.zeros(1))
+
+
+def test_rank_killed_by_a_signal_is_blamed_not_its_peers(job_tag):
+    with pytest.raises(RankFailedError) as info:
+        launch(_killed_on_rank_1, world_size=3, timeout=60, env={"LABKIT_TEST_TAG": job_tag})
+    assert info.value.rank == 1 and info.value.exc_type == "ProcessDied"
+    assert "SIGKILL" in str(info.value) or "without reporting" in str(info.value)
+
+
 def _deadlock():
     if dist.get_rank() == 0:
         time.sleep(600)  # rank 0 never joins the collective

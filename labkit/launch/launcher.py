@@ -242,6 +242,7 @@ def launch(
 
     deadline = time.monotonic() + cfg.timeout
     first_failure: float | None = None
+    silent_dead: set[int] = set()
     try:
         while proc.poll() is None:
             drain(0.05)
@@ -256,10 +257,17 @@ def launch(
             records = _error_records(run)
             if records and _final_failure(records, cfg.max_restarts):
                 first_failure = first_failure or time.monotonic()
-                genuine = any(not r["collateral"] for r in records)
+                genuine = any(not r["collateral"] for r in records)  # pending ones count here
                 silent = set(range(cfg.world_size)) - {r["rank"] for r in records}
-                if genuine or not _any_alive(run, silent) or time.monotonic() - first_failure > 10.0:
+                waited = time.monotonic() - first_failure
+                if genuine or waited > 10.0:
                     break
+                if not _any_alive(run, silent):
+                    # Someone vanished without a word (SIGKILL, OOM): give the agent a moment
+                    # to record how it died, so the message can name the signal.
+                    silent_dead = silent
+                    if (run / "agent_failures.json").exists() or waited > 3.0:
+                        break
             # Done once every rank's result is on disk: the agent's own shutdown (exit
             # barrier, log tailers, interpreter exit) adds seconds and nothing we need.
             if not cfg.max_restarts and all((run / f"result.{r}.pkl").exists() for r in range(cfg.world_size)):
@@ -276,7 +284,7 @@ def launch(
 
     done = all((run / f"result.{r}.pkl").exists() for r in range(cfg.world_size))
     if first_failure is not None or (proc.returncode != 0 and not done):
-        failure = _root_cause(run, run / "logs")
+        failure = _root_cause(run, run / "logs", silent_dead)
         if failure is not None:
             raise failure
         agent_error = run / "agent_error.txt"

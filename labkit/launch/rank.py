@@ -140,6 +140,52 @@ def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _report(run: Path, rank: int, exc: BaseException, *, pending: bool = False) -> None:
+    """Write ``error.N.json`` (or ``error.N.pending.json`` for an exception still in flight)."""
+    # Drop labkit's own frames: the traceback starts in the learner's code.
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    name = f"error.{rank}.pending.json" if pending else f"error.{rank}.json"
+    _write_json_atomic(
+        run / name,
+        {
+            "rank": rank,
+            "time": time.time(),
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
+            "collateral": _is_collateral(exc),
+            "pending": pending,
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        },
+    )
+
+
+def _report_before_teardown(run: Path, rank: int) -> None:
+    """Make ``destroy_process_group`` report an exception in flight before tearing down.
+
+    The classic trap: ``try: ... finally: dist.destroy_process_group()``. The teardown runs
+    while the real exception is still propagating; the peers see "connection closed by
+    peer" and fail, the agent stops every rank, and the culprit is killed before it can say
+    why. Inside that ``finally``, ``sys.exc_info()`` already holds the exception, so it is
+    written now, as a *pending* record: it names the culprit, but never fails a job by itself
+    (a handled exception can also be in flight there).
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    real = c10d.destroy_process_group
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
+        exc = sys.exc_info()[1]
+        if exc is not None and not _is_collateral(exc):
+            _report(run, rank, exc, pending=True)
+        real(*args, **kwargs)
+
+    c10d.destroy_process_group = destroy_process_group  # type: ignore[assignment]
+    dist.destroy_process_group = destroy_process_group  # type: ignore[assignment]
+
+
 def _worker(run_dir: str) -> None:
     """Entry point of every rank (module level, so elastic pickles it by reference)."""
     _set_pdeathsig()
@@ -155,6 +201,7 @@ def _worker(run_dir: str) -> None:
     stack_file = open(run / f"stack.{rank}.txt", "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     (run / f"pid.{rank}").write_text(str(os.getpid()))
+    _report_before_teardown(run, rank)
 
     with open(run / _JOB_FILE, "rb") as f:
         job = cloudpickle.load(f)
@@ -170,20 +217,7 @@ def _worker(run_dir: str) -> None:
             cloudpickle.dump(_to_cpu(result), f)
         os.replace(partial, run / f"result.{rank}.pkl")  # the caller never reads half a result
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the rank exits
-        # Drop this wrapper's own frame: the traceback starts in the learner's code.
-        tb = traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
-        _write_json_atomic(
-            run / f"error.{rank}.json",
-            {
-                "rank": rank,
-                "time": time.time(),
-                "type": type(exc).__name__,
-                "message": str(exc),
-                "traceback": "".join(tb),
-                "collateral": _is_collateral(exc),
-                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            },
-        )
+        _report(run, rank, exc)
         sys.stdout.flush()
         sys.stderr.flush()
         # Exit without tearing the group down: a clean teardown here is what makes the

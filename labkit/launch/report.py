@@ -52,46 +52,66 @@ def _trim_stack(text: str) -> str:
 
 
 def _error_records(run: Path) -> list[dict[str, Any]]:
-    records = []
+    """Final records (``error.N.json``) first, then pending ones of ranks with no final record."""
+    final: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
     for path in run.glob("error.*.json"):
         with contextlib.suppress(OSError, ValueError):
-            records.append(json.loads(path.read_text()))
-    return records
+            record = json.loads(path.read_text())
+            (pending if record.get("pending") else final).append(record)
+    reported = {r["rank"] for r in final}
+    return final + [r for r in pending if r["rank"] not in reported]
 
 
 def _final_failure(records: list[dict[str, Any]], max_restarts: int) -> bool:
     """True once a rank has failed in the last attempt elastic is allowed to make."""
-    return any(r["restart"] >= max_restarts for r in records)
+    return any(r["restart"] >= max_restarts and not r.get("pending") for r in records)
 
 
-def _root_cause(run: Path, log_dir: Path) -> RankFailedError | None:
-    """The failing rank to blame: a genuine exception beats 'connection closed by peer'.
+def _root_cause(run: Path, log_dir: Path, silent_dead: set[int] | None = None) -> RankFailedError | None:
+    """The failing rank to blame, in order of evidence:
 
-    A rank killed by a signal or a native crash leaves no Python record; the agent's view of
-    exit codes (``agent_failures.json``) names it instead.
+    1. a rank that raised a genuine exception (the earliest, if several), including one whose
+       exception was still in flight when it was killed (a *pending* record);
+    2. a rank that died without a Python record (SIGKILL, out of memory, a native crash):
+       the agent's exit codes (``agent_failures.json``) name it and its signal, else
+       ``silent_dead`` (ranks seen dead with no record) does;
+    3. only then a rank that merely saw "connection closed by peer".
     """
     records = _error_records(run)
     if records:
         last_restart = max(r["restart"] for r in records)
         records = [r for r in records if r["restart"] == last_restart]
-        records.sort(key=lambda r: (r["collateral"], r["time"]))
+    records.sort(key=lambda r: (r["collateral"], r["time"]))
+    reported = {r["rank"] for r in records}
+    if records and not records[0]["collateral"]:
         root = records[0]
         others = sorted(r["rank"] for r in records[1:])
-        if not root["collateral"] or not (run / "agent_failures.json").exists():
-            return RankFailedError(root["rank"], root["type"], root["message"], root["traceback"], log_dir, others)
+        return RankFailedError(root["rank"], root["type"], root["message"], root["traceback"], log_dir, others)
+
     died = run / "agent_failures.json"
-    if died.exists():
-        every = json.loads(died.read_text())["failures"]
-        failures = [f for f in every if f["signal"]] or every
-        if failures:
-            f = failures[0]
-            how = f"was killed by {f['signal']}" if f["signal"] else f"exited with code {f['exitcode']}"
-            return RankFailedError(
-                f["rank"],
-                "ProcessDied",
-                f"the process {how}",
-                "(no Python traceback: the process was killed, ran out of memory, or crashed in native code)",
-                log_dir,
-                [g["rank"] for g in failures[1:]],
-            )
+    unreported = [f for f in json.loads(died.read_text())["failures"] if f["rank"] not in reported] if died.exists() else []
+    unreported.sort(key=lambda f: not f["signal"])  # a signal is the strongest evidence
+    if not unreported:
+        unreported = [{"rank": r, "signal": "", "exitcode": None} for r in sorted((silent_dead or set()) - reported)]
+    if unreported:
+        f = unreported[0]
+        if f["signal"]:
+            how = f"was killed by {f['signal']}"
+        elif f["exitcode"] is not None:
+            how = f"exited with code {f['exitcode']}"
+        else:
+            how = "exited without reporting an error"
+        return RankFailedError(
+            f["rank"],
+            "ProcessDied",
+            f"the process {how}",
+            "(no Python traceback: the process was killed, ran out of memory, or crashed in native code)",
+            log_dir,
+            sorted(reported | {g["rank"] for g in unreported[1:]}),
+        )
+    if records:
+        root = records[0]
+        others = sorted(r["rank"] for r in records[1:])
+        return RankFailedError(root["rank"], root["type"], root["message"], root["traceback"], log_dir, others)
     return None

@@ -95,6 +95,21 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.wte.weight  # one Parameter, two uses
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer), so the residual
+        # stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # N(0, 0.02) as in GPT-2: with PyTorch's N(0, 1) embeddings, tied to the head, the
+        # first logits are huge and the initial loss is ~40x ln(vocab) instead of ~ln(vocab).
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids. Returns logits (B, T, vocab), or the mean loss if targets given."""
