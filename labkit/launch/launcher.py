@@ -134,6 +134,11 @@ def _running(p: Any) -> bool:
         return False
 
 
+def _finished(run: Path, world_size: int) -> set[int]:
+    """Ranks whose result is on disk: they completed ``fn`` and are never to blame."""
+    return {rank for rank in range(world_size) if (run / f"result.{rank}.pkl").exists()}
+
+
 def _pump(stream: Any, tag: str, lines: queue.Queue[tuple[str, str]]) -> None:
     for raw in iter(stream.readline, b""):
         lines.put((tag, raw.decode(errors="replace")))
@@ -258,7 +263,7 @@ def launch(
             if records and _final_failure(records, cfg.max_restarts):
                 first_failure = first_failure or time.monotonic()
                 genuine = any(not r["collateral"] for r in records)  # pending ones count here
-                silent = set(range(cfg.world_size)) - {r["rank"] for r in records}
+                silent = set(range(cfg.world_size)) - {r["rank"] for r in records} - _finished(run, cfg.world_size)
                 waited = time.monotonic() - first_failure
                 if genuine or waited > 10.0:
                     break
@@ -270,7 +275,7 @@ def launch(
                         break
             # Done once every rank's result is on disk: the agent's own shutdown (exit
             # barrier, log tailers, interpreter exit) adds seconds and nothing we need.
-            if not cfg.max_restarts and all((run / f"result.{r}.pkl").exists() for r in range(cfg.world_size)):
+            if not cfg.max_restarts and len(_finished(run, cfg.world_size)) == cfg.world_size:
                 break
     except BaseException:
         _kill_tree(proc, run)
@@ -282,7 +287,7 @@ def launch(
         drain(0)
         catch_up()
 
-    done = all((run / f"result.{r}.pkl").exists() for r in range(cfg.world_size))
+    done = len(_finished(run, cfg.world_size)) == cfg.world_size
     if first_failure is not None or (proc.returncode != 0 and not done):
         failure = _root_cause(run, run / "logs", silent_dead)
         if failure is not None:

@@ -223,8 +223,10 @@ def _worker(run_dir: str) -> None:
         # Exit without tearing the group down: a clean teardown here is what makes the
         # *other* ranks fail first with "connection closed", hiding the real culprit.
         os._exit(1)
-    # Success: a barrier-free teardown; every rank has already returned from fn.
+    # Success. Leave together: a rank that exits while a peer is still connecting (gloo
+    # builds its mesh lazily) or still receiving makes that peer fail "connection closed".
     with contextlib.suppress(Exception):
+        dist.barrier()
         dist.destroy_process_group()
 
 
