@@ -237,7 +237,7 @@ def test_twenty_concurrent_launches_never_collide(job_tag):
 
 def test_config_is_validated_dataclass():
     cfg = LaunchConfig(world_size=4)
-    assert cfg.backend == "gloo" and cfg.start_method == "fork"
+    assert cfg.backend == "gloo" and cfg.start_method == "forkserver"
     # labkit.launch is both the entry point and the package behind it
     assert labkit.launch(_tiny, 5, world_size=1, timeout=60, quiet=True) == [50]
     assert labkit.launch.local_device().type == "cpu"

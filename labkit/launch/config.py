@@ -79,7 +79,10 @@ class LaunchConfig:
     timeout: float = 300.0  # wall clock for the whole job
     collective_timeout: float | None = None  # bound on each collective; None: same as timeout
     max_restarts: int = 0  # elastic restarts of the whole worker group after a failure
-    start_method: str | None = None  # None: fork for gloo (fast), spawn for nccl (CUDA-safe)
+    # forkserver: ranks fork from a fresh single-threaded server that imported torch once.
+    # Plain fork copies the elastic agent's threads and can deadlock a rank (seen here: a
+    # rank stuck creating its store client); spawn is safe but re-imports torch per rank.
+    start_method: str = "forkserver"
     threads_per_rank: int | None = None  # None: cores // world_size on CPU, at least 1
     host: str = "127.0.0.1"  # rendezvous address; "0.0.0.0" to accept other nodes
     log_dir: Path | None = None  # None: a fresh folder under tempdir/labkit-runs
@@ -99,9 +102,6 @@ class LaunchConfig:
             raise ValueError(f"collective_timeout must be positive, got {self.collective_timeout!r}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if self.start_method is None:
-            # The agent never touches CUDA, but spawn keeps NCCL ranks safe from any fork hazard.
-            self.start_method = "fork" if choose_backend(self.world_size, self.backend) == "gloo" else "spawn"
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be spawn, fork or forkserver, got {self.start_method!r}")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:

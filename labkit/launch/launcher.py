@@ -31,6 +31,18 @@ from labkit.launch.config import (
 )
 from labkit.launch.report import _dump_stacks, _error_records, _final_failure, _root_cause
 
+# The agent's first act, before it imports torch: start the forkserver the ranks will fork
+# from, so that its torch import runs in parallel with the agent's own.
+_AGENT_BOOTSTRAP = """\
+import multiprocessing, sys
+if sys.argv[3] == "forkserver":
+    multiprocessing.set_forkserver_preload(["labkit.launch.rank"])
+    multiprocessing.get_context("forkserver")
+    from multiprocessing import forkserver
+    forkserver.ensure_running()
+from labkit.launch.agent import _agent_main
+sys.exit(_agent_main(sys.argv[1], int(sys.argv[2])))
+"""
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
 
 
@@ -193,7 +205,7 @@ def launch(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "labkit.launch.agent", str(run), str(os.getpid())],
+        [sys.executable, "-c", _AGENT_BOOTSTRAP, str(run), str(os.getpid()), str(cfg.start_method)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -252,9 +264,7 @@ def launch(
         while proc.poll() is None:
             drain(0.05)
             if time.monotonic() > deadline:
-                stacks = _dump_stacks(run, cfg.world_size)
-                _kill_tree(proc, run)
-                raise JobTimeoutError(cfg.timeout, stacks, run / "logs")
+                raise JobTimeoutError(cfg.timeout, _dump_stacks(run, cfg.world_size), run / "logs")
             # Fail fast: once a rank has failed for good, kill everything now rather than
             # wait for the agent's polite shutdown. After a collateral error ("connection
             # closed by peer") the culprit may still be busy in its own teardown: wait while
@@ -277,11 +287,10 @@ def launch(
             # barrier, log tailers, interpreter exit) adds seconds and nothing we need.
             if not cfg.max_restarts and len(_finished(run, cfg.world_size)) == cfg.world_size:
                 break
-    except BaseException:
-        _kill_tree(proc, run)
-        raise
     finally:
-        _kill_tree(proc, run)  # also reaps ranks of an agent that exited on its own
+        # Every way out (done, failed, timed out, interrupted) ends the whole job here; this
+        # also reaps ranks of an agent that exited on its own.
+        _kill_tree(proc, run)
         for t in pumps:
             t.join(timeout=2)
         drain(0)
