@@ -135,15 +135,15 @@ def test_collectives_time_out_too(job_tag):
     assert time.monotonic() - start < 20
 
 
-def _fail_first_attempt(marker_dir):
+def _fail_first_attempt():
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     if attempt == 0 and dist.get_rank() == 1:
         raise RuntimeError("transient failure")
     return attempt
 
 
-def test_max_restarts_reruns_the_group(job_tag, tmp_path):
-    assert launch(_fail_first_attempt, str(tmp_path), world_size=2, timeout=60, max_restarts=1, env={"LABKIT_TEST_TAG": job_tag}) == [1, 1]
+def test_max_restarts_reruns_the_group(job_tag):
+    assert launch(_fail_first_attempt, world_size=2, timeout=60, max_restarts=1, env={"LABKIT_TEST_TAG": job_tag}) == [1, 1]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ How a launch is built (the same engine as ``torchrun``)::
     kernel (your notebook)                 agent subprocess                  workers
     ----------------------                 ----------------                  -------
     cloudpickle fn+args -> run_dir/job.pkl
-    Popen(python -m labkit.launch.agent)   elastic_launch(config, _worker) -> rank 0 .. N-1
+    Popen(python -c _AGENT_BOOTSTRAP)      elastic_launch(config, _worker) -> rank 0 .. N-1
     print each "[rankN]: ..." line   <---- tee of every worker's stdout/stderr
     watchdog: at the deadline SIGUSR1 ----------------------------------------> faulthandler stacks
     read result.N.pkl / error.N.json <----------------------------------------- written by _worker

@@ -1,12 +1,12 @@
-"""The agent: ``python -m labkit.launch.agent RUN_DIR PARENT_PID``, a thin shell around torch's
-``elastic_launch`` (the engine behind torchrun), run as a subprocess of the caller so the
-elastic agent's signal handlers and environment changes never touch a notebook kernel.
+"""The agent: a thin shell around torch's ``elastic_launch`` (the engine behind torchrun), run
+as a subprocess of the caller so the elastic agent's signal handlers and environment changes
+never touch a notebook kernel. The caller starts it with ``launcher._AGENT_BOOTSTRAP``, which
+first starts the forkserver the ranks fork from, then calls :func:`_agent_main`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import cloudpickle
@@ -60,11 +60,3 @@ def _agent_main(run_dir: str, parent_pid: int) -> int:
         (run / "agent_error.txt").write_text(f"{type(exc).__name__}: {exc}")
         return 1
     return 0
-
-
-# --------------------------------------------------------------------------------------
-# The launcher: what a notebook cell calls
-
-
-if __name__ == "__main__":
-    sys.exit(_agent_main(sys.argv[1], int(sys.argv[2])))

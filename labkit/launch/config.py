@@ -134,7 +134,3 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
             f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) visible"
         )
     return backend
-
-
-# --------------------------------------------------------------------------------------
-# Helpers for code that runs on a rank

@@ -80,10 +80,6 @@ def _dumps(job: dict[str, Any]) -> bytes:
     return buffer.getvalue() + cloudpickle.dumps(sources)
 
 
-# --------------------------------------------------------------------------------------
-# The worker: runs on every rank, inside the elastic agent's process tree
-
-
 def _runs_root() -> Path:
     return Path(tempfile.gettempdir()) / "labkit-runs"
 

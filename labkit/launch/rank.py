@@ -228,7 +228,3 @@ def _worker(run_dir: str) -> None:
     with contextlib.suppress(Exception):
         dist.barrier()
         dist.destroy_process_group()
-
-
-# --------------------------------------------------------------------------------------
-# The agent: `python -m labkit.launch RUN_DIR`, a thin shell around torch's elastic_launch
