@@ -30,7 +30,7 @@ import torch
 
 from labkit.activation_checkpoint import apply_activation_checkpointing, step_activation_bytes
 from labkit.launch import launch
-from labkit.models import GPT, GPTConfig
+from labkit.models import GPT, GPTConfig, gpt_loss
 from labkit.precision import DynamicLossScaler, MixedPrecisionTrainer
 
 
@@ -59,9 +59,9 @@ def bench_activation(steps: int) -> None:
         models[impl] = copy.deepcopy(base)
         apply_activation_checkpointing(models[impl].blocks, "full", impl=impl)
     models["none"] = base
-    fns = {k: (lambda m=m: m(idx, tgt).backward()) for k, m in models.items()}
+    fns = {k: (lambda m=m: gpt_loss(m, idx, tgt).backward()) for k, m in models.items()}
     t = _median_times(fns, steps)
-    mem = {k: step_activation_bytes(m, idx, tgt)["activations"] for k, m in models.items()}
+    mem = {k: step_activation_bytes(m, idx, tgt, loss_fn=gpt_loss)["activations"] for k, m in models.items()}
     print("\n== activation checkpointing, full policy (fp32, CPU) ==")
     for k in ("none", "labkit", "torch"):
         print(f"  {k:7s} {t[k] * 1e3:8.1f} ms/step   peak activations {mem[k] / 1e6:7.2f} MB")
@@ -79,7 +79,7 @@ def bench_scaler(steps: int) -> None:
 
         def step(model=model, opt=opt, scaler=scaler) -> None:
             opt.zero_grad(set_to_none=True)
-            scaler.scale(model(idx, tgt)).backward()
+            scaler.scale(gpt_loss(model, idx, tgt)).backward()
             scaler.step(opt)
             scaler.update()
 
@@ -100,19 +100,19 @@ def bench_mixed(steps: int) -> None:
 
     def plain() -> None:
         fp32_opt.zero_grad(set_to_none=True)
-        fp32(idx, tgt).backward()
+        gpt_loss(fp32, idx, tgt).backward()
         fp32_opt.step()
 
     def autocast() -> None:
         auto_opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = auto(idx, tgt)
+            loss = gpt_loss(auto, idx, tgt)
         loss.backward()
         auto_opt.step()
 
     def ours() -> None:
         trainer.zero_grad()
-        trainer.backward(trainer.model(idx, tgt))
+        trainer.backward(gpt_loss(trainer.model, idx, tgt))
         trainer.step()
 
     t = _median_times({"fp32": plain, "autocast": autocast, "labkit": ours}, steps)

@@ -203,16 +203,24 @@ def remove_activation_checkpointing(blocks: nn.ModuleList) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def step_flops(model: nn.Module, *inputs: Any) -> int:
-    """FLOPs of one ``model(*inputs).backward()``, counted by ``FlopCounterMode``.
+LossFn = Callable[..., torch.Tensor]
+
+
+def _call(model: nn.Module, *inputs: Any) -> torch.Tensor:
+    return model(*inputs)
+
+
+def step_flops(model: nn.Module, *inputs: Any, loss_fn: LossFn = _call) -> int:
+    """FLOPs of one ``loss_fn(model, *inputs).backward()``, counted by ``FlopCounterMode``.
 
     The count includes the recompute, because it runs inside the counted backward.
-    ``model`` must return a scalar loss.
+    ``loss_fn`` returns a scalar loss; the default calls ``model(*inputs)`` (a model that
+    returns its loss). For labkit's GPT pass ``loss_fn=labkit.models.gpt_loss``.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
-        model(*inputs).backward()
+        loss_fn(model, *inputs).backward()
     return int(counter.get_total_flops())
 
 
@@ -225,8 +233,8 @@ def forward_flops(module: nn.Module, *inputs: Any) -> int:
     return int(counter.get_total_flops())
 
 
-def step_activation_bytes(model: nn.Module, *inputs: Any) -> dict[str, int]:
-    """Peak bytes of one ``model(*inputs).backward()`` on the model's device.
+def step_activation_bytes(model: nn.Module, *inputs: Any, loss_fn: LossFn = _call) -> dict[str, int]:
+    """Peak bytes of one ``loss_fn(model, *inputs).backward()`` on the model's device.
 
     Returns ``{"activations": ..., "total": ...}``: the peak of the "activations" ledger
     category (everything the step allocates besides parameters and gradients: saved
@@ -240,7 +248,7 @@ def step_activation_bytes(model: nn.Module, *inputs: Any) -> dict[str, int]:
     with tracker_for(device) as mt:
         mt.track_module(model)
         mt.reset_peak()
-        model(*inputs).backward()
+        loss_fn(model, *inputs).backward()
         peak = mt.ledger()
     return {"activations": peak.peak["activations"], "total": peak.peak_bytes}
 
@@ -252,6 +260,7 @@ def policy_costs(
     *,
     impls: tuple[str, ...] = ("labkit", "torch"),
     repeats: int = 5,
+    loss_fn: LossFn = _call,
 ) -> dict[tuple[str, str], dict[str, float]]:
     """For each (policy name, impl): FLOPs, peak activation bytes and step seconds of a fresh
     ``make_model()`` whose ``.blocks`` are wrapped by that policy.
@@ -271,14 +280,14 @@ def policy_costs(
             apply_activation_checkpointing(model.blocks, policy, impl=impl)  # type: ignore[arg-type]
             models[name, impl] = model
             costs[name, impl] = {
-                "flops": step_flops(model, *inputs),  # also the warm-up step
-                "activation_bytes": step_activation_bytes(model, *inputs)["activations"],
+                "flops": step_flops(model, *inputs, loss_fn=loss_fn),  # also the warm-up step
+                "activation_bytes": step_activation_bytes(model, *inputs, loss_fn=loss_fn)["activations"],
                 "seconds": float("inf"),
             }
     for _ in range(repeats):
         for key, model in models.items():
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            model(*inputs).backward()
+            loss_fn(model, *inputs).backward()
             costs[key]["seconds"] = min(costs[key]["seconds"], time.perf_counter() - start)
     return costs

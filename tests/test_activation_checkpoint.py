@@ -21,7 +21,7 @@ from labkit.activation_checkpoint import (
     step_activation_bytes,
     step_flops,
 )
-from labkit.models import GPT, GPTConfig
+from labkit.models import GPT, GPTConfig, gpt_loss
 
 POLICIES = ["full", 2, {1, 2}]
 
@@ -37,7 +37,7 @@ def gpt_and_batch():
 def _grads_and_next_random(model, idx, tgt):
     torch.manual_seed(123)
     model.zero_grad()
-    loss = model(idx, tgt)
+    loss = gpt_loss(model, idx, tgt)
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()], torch.rand(4)
 
@@ -86,7 +86,7 @@ def test_state_dict_keys_unchanged_and_removable(gpt_and_batch):
 
 def test_flops_add_one_forward_of_wrapped_blocks(gpt_and_batch):
     model, idx, tgt = gpt_and_batch
-    base = step_flops(copy.deepcopy(model), idx, tgt)
+    base = step_flops(copy.deepcopy(model), idx, tgt, loss_fn=gpt_loss)
     x = torch.randn(2, 16, 32)  # a block's input (B, T, C)
     per_block = forward_flops(model.blocks[0], x)
     assert per_block > 0
@@ -94,7 +94,7 @@ def test_flops_add_one_forward_of_wrapped_blocks(gpt_and_batch):
         for policy in POLICIES:
             ckpt = copy.deepcopy(model)
             chosen = apply_activation_checkpointing(ckpt.blocks, policy, impl=impl)
-            assert step_flops(ckpt, idx, tgt) == base + len(chosen) * per_block, (impl, policy)
+            assert step_flops(ckpt, idx, tgt, loss_fn=gpt_loss) == base + len(chosen) * per_block, (impl, policy)
 
 
 def test_memory_full_lt_selective_lt_none_and_close_to_torch(gpt_and_batch):
@@ -104,7 +104,7 @@ def test_memory_full_lt_selective_lt_none_and_close_to_torch(gpt_and_batch):
         for policy in ("none", 2, "full"):
             m = copy.deepcopy(model)
             apply_activation_checkpointing(m.blocks, policy, impl=impl)
-            peaks[impl, str(policy)] = step_activation_bytes(m, idx, tgt)["activations"]
+            peaks[impl, str(policy)] = step_activation_bytes(m, idx, tgt, loss_fn=gpt_loss)["activations"]
     ours = [peaks["labkit", p] for p in ("none", "2", "full")]
     assert ours[0] > ours[1] > ours[2]
     assert ours[0] > 2 * ours[2]  # 4 blocks' intermediates vs 4 inputs + one block's

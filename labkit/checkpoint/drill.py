@@ -101,7 +101,7 @@ def _set_flat_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
 def train(cfg: DrillConfig, ckpt_dir: str) -> dict[str, Any]:
     """One rank of the drill (run it with ``launch`` / :func:`run_drill`)."""
     from labkit.data.shakespeare import CharDataset
-    from labkit.models import GPT, GPTConfig
+    from labkit.models import GPT, GPTConfig, gpt_loss
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = local_device()
@@ -144,7 +144,7 @@ def train(cfg: DrillConfig, ckpt_dir: str) -> dict[str, Any]:
             for pos in positions:
                 x, y = (t.unsqueeze(0).to(device) for t in data[int(batch[pos])])  # (1, T)
                 torch.manual_seed(cfg.seed * 1_000_003 + step * cfg.global_batch + pos)
-                loss = model(x, y)
+                loss = gpt_loss(model, x, y)
                 scaler.scale(loss / cfg.global_batch).backward()
                 rows.append(_flat_grads(model))
                 loss_sum += loss.item()
@@ -160,7 +160,7 @@ def train(cfg: DrillConfig, ckpt_dir: str) -> dict[str, Any]:
             local_loss = loss_sum / per_rank
         else:
             xs, ys = zip(*(data[int(batch[pos])] for pos in positions))
-            loss = model(torch.stack(xs).to(device), torch.stack(ys).to(device))  # (per_rank, T) batch
+            loss = gpt_loss(model, torch.stack(xs).to(device), torch.stack(ys).to(device))  # (per_rank, T) batch
             scaler.scale(loss).backward()
             grad = _flat_grads(model)
             _kill_once(cfg, rank, step, in_save=False)  # mid-step: the peers wait in all_reduce

@@ -7,8 +7,8 @@ for a full all-reduce) on top of the bandwidth term, so for ``P`` parameter tens
 
     P * alpha  +  2 (W - 1) / W * N / bandwidth          (ring all-reduce)
 
-A ResNet-50 has P = 161 tensors, GPT-2 small 148: the latency term dominates for small
-tensors. :mod:`labkit.ddp.flat` pays ``alpha`` once.
+A ResNet-50 has P = 161 tensors, GPT-2 small 148 (with its fused qkv, as released; labkit's
+GPT has separate q, k, v: 196): the latency term dominates for small tensors. :mod:`labkit.ddp.flat` pays ``alpha`` once.
 
 Each parameter's gradient travels with its "used" flag (see :class:`DataParallel.pack`),
 so a parameter that got no gradient on some rank still joins the collective with zeros.

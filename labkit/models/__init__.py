@@ -1,7 +1,7 @@
 """Small models used across the labs. None of them knows it is distributed."""
 
 from labkit.models.cnn import MnistCNN
-from labkit.models.gpt import GPT, GPTConfig
+from labkit.models.gpt import GPT, PRESETS, GPTConfig, count_params_meta, gpt_loss, lm_loss, preset
 from labkit.models.mlp import MLP
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MnistCNN"]
+__all__ = ["GPT", "MLP", "PRESETS", "GPTConfig", "MnistCNN", "count_params_meta", "gpt_loss", "lm_loss", "preset"]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.memory import tracker_for
-from labkit.models import GPT, GPTConfig
+from labkit.models import GPT, GPTConfig, gpt_loss
 from labkit.zero.adam import AdamConfig
 from labkit.zero.ledger import make_optimizer
 
@@ -90,7 +90,7 @@ def run_side_by_side(
             x = torch.randint(0, gpt.vocab_size, (batch, gpt.block_size), generator=g).to(device)
             t0 = time.perf_counter()
             zero_grad()
-            loss = fwd(x, torch.roll(x, -1, 1))
+            loss = gpt_loss(fwd, x, torch.roll(x, -1, 1))
             loss.backward()
             step()
             if device.type == "cuda":

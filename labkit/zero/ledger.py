@@ -108,7 +108,7 @@ def measure_gpt(
 ) -> list[dict[str, Any]]:
     """:func:`measure` every stage on a labkit GPT (default: 6 layers x 384, 10.7M parameters)."""
     from labkit.launch import local_device
-    from labkit.models import GPT, GPTConfig
+    from labkit.models import GPT, GPTConfig, gpt_loss
 
     cfg = gpt or GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=32)
     device = local_device()
@@ -123,6 +123,6 @@ def measure_gpt(
         return x, torch.roll(x, -1, 1)  # (batch, T) next-character targets
 
     return [
-        measure(s, build, make_batch, lambda m, x, y: m(x, y), steps=steps, device=device, **opt_kwargs)
+        measure(s, build, make_batch, gpt_loss, steps=steps, device=device, **opt_kwargs)
         for s in stages
     ]
