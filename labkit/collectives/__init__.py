@@ -8,11 +8,14 @@ Read in this order (lesson ``notebooks/02_collectives.ipynb``):
 * ``cost_model.py`` the alpha-beta formulas of all of the above, and a fit of alpha and beta.
 * ``bench.py``      algbw/busbw as nccl-tests define them, ours against ``torch.distributed``.
 * ``common.py``     ops, chunking, peers and reusable buffers the algorithms share.
+* ``comm.py``       ``Comm(group, impl="torch" | "ring")``: the one switch every technique uses,
+                    with the bytes each call sends counted.
 
 Every collective takes ``group=`` (None = WORLD) and checks, by default, that all ranks
 passed the same size, op and dtype, so a mismatch is a clear error on every rank, not a hang.
 """
 
+from labkit.collectives.comm import Comm
 from labkit.collectives.common import BufferPool, chunk_sizes
 from labkit.collectives.naive import naive_all_reduce
 from labkit.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
@@ -25,6 +28,7 @@ all_gather = ring_all_gather
 
 __all__ = [
     "BufferPool",
+    "Comm",
     "chunk_sizes",
     "naive_all_reduce",
     "ring_all_reduce",

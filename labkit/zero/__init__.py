@@ -1,13 +1,13 @@
 """ZeRO from scratch: shard optimizer state (stage 1), gradients (stage 2), parameters (stage 3).
 
 Read in this order: :mod:`~labkit.zero.partition` (the pure flat layout), :mod:`~labkit.zero.adam`
-(why Adam shards), :mod:`~labkit.zero.comm` (the collectives and their byte count),
+(why Adam shards), :mod:`~labkit.collectives.comm` (the collectives and their byte count),
 :mod:`~labkit.zero.stage1`, :mod:`~labkit.zero.stage2`, :mod:`~labkit.zero.stage3`, then
 :mod:`~labkit.zero.ledger` (measured memory next to :mod:`labkit.memory.model`).
 """
 
 from labkit.zero.adam import AdamConfig, adamw_
-from labkit.zero.comm import Comm
+from labkit.collectives.comm import Comm
 from labkit.zero.ledger import STAGE_CLASSES, make_optimizer, measure, measure_gpt
 from labkit.zero.partition import FlatLayout, Piece, flat_layout
 from labkit.zero.stage1 import DDPAdam, ZeRO1

@@ -1,4 +1,7 @@
-"""The three collectives ZeRO needs, behind one switchable interface that counts bytes.
+"""The one way to swap labkit's own collectives in: ``Comm(group, impl=...)``, counting bytes.
+
+DDP, ZeRO and tensor parallelism all communicate through a :class:`Comm`, so switching every
+technique from PyTorch's collectives to labkit's ring is one argument, ``impl="ring"``.
 
 ``Comm(group, impl="torch")`` uses torch.distributed (``reduce_scatter_single`` /
 ``all_gather_single``, the 2.13 names of ``reduce_scatter_tensor`` / ``all_gather_into_tensor``);
@@ -82,14 +85,17 @@ class Comm:
                 return work
         return _Done()
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """``tensor`` <- SUM over ranks (the DDP baseline)."""
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
+        """``tensor`` <- SUM over ranks (the DDP baseline). Returns a handle to ``wait()``."""
         self._count("all_reduce", tensor.numel() * tensor.element_size(), factor=2)
         if self.world_size == 1:
-            return
-        if self.impl == "ring":
+            return _Done()
+        if self.impl == "ring":  # labkit's ring is blocking: async degrades to sync
             from labkit.collectives.ring import ring_all_reduce
 
             ring_all_reduce(tensor, group=self.group, check=False)
         else:
-            dist.all_reduce(tensor, group=self.group)
+            work = dist.all_reduce(tensor, group=self.group, async_op=async_op)
+            if async_op:
+                return work
+        return _Done()
