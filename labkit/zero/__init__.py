@@ -6,8 +6,8 @@ Read in this order: :mod:`~labkit.zero.partition` (the pure flat layout), :mod:`
 :mod:`~labkit.zero.ledger` (measured memory next to :mod:`labkit.memory.model`).
 """
 
-from labkit.zero.adam import AdamConfig, adamw_
 from labkit.collectives.comm import Comm
+from labkit.zero.adam import AdamConfig, adamw_
 from labkit.zero.ledger import STAGE_CLASSES, make_optimizer, measure, measure_gpt
 from labkit.zero.partition import FlatLayout, Piece, flat_layout
 from labkit.zero.stage1 import DDPAdam, ZeRO1

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from labkit.zero.adam import AdamConfig, adamw_
 from labkit.collectives.comm import Comm
+from labkit.zero.adam import AdamConfig, adamw_
 from labkit.zero.partition import FlatLayout, flat_layout, flatten_into, param_views
 
 __all__ = ["Unit", "make_units", "ZeRO1", "DDPAdam"]
