@@ -33,6 +33,8 @@ __all__ = [
     "FP32_ADAM",
     "ModelStates",
     "model_states",
+    "RECOMPUTE",
+    "activation_bytes_per_layer",
     "transformer_activation_bytes",
     "communication_bytes",
     "zero_table1",
@@ -86,14 +88,63 @@ def model_states(stage: str, psi: float, world_size: int, precision: Precision =
     return ModelStates(p / n if shard_p else p, g / n if shard_g else g, k / n if shard_os else k)
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def activation_bytes_per_layer(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+) -> float:
+    """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models", Table 2 (16-bit activations, 1-byte dropout masks; s sequence, b micro-batch,
+    h hidden, a heads, t tensor-parallel size)::
+
+        no parallelism                     sbh (34 + 5as/h)
+        tensor parallel                    sbh (10 + 24/t + 5as/(ht))
+        tensor + sequence parallel         sbh (34/t + 5as/(ht))
+        tensor parallel + selective        sbh (10 + 24/t)
+        tensor + sequence + selective      sbh (34/t)
+        full recompute                     2sbh   (only the layer's input is kept)
+
+    Where the 34 comes from (the paper's section 4.1): attention keeps 11sbh (QKV input 2,
+    Q and K 4, V 2, output-projection input 2, its dropout mask 1) plus 5as^2b (softmax output
+    2, its dropout mask 1, the dropped-out scores 2); the MLP 19sbh (input 2, GeLU input 8,
+    second linear's input 8, dropout mask 1); the two LayerNorms' inputs 4sbh. Under tensor
+    parallelism everything but the 10sbh at the LayerNorms and dropouts (LN inputs 4, QKV and
+    MLP inputs 2 + 2, two masks 1 + 1) is split t ways; sequence parallelism splits those 10sbh
+    too. Selective recompute drops the 5as^2b attention core.
+    Full recompute keeps 2sbh per layer (Korthikanti's section 5: checkpoint each layer's input).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; expected one of {RECOMPUTE}")
+    if tp < 1 or min(seq, batch, hidden, heads) < 1:
+        raise ValueError(f"need positive sizes and tp >= 1, got s={seq} b={batch} h={hidden} a={heads} tp={tp}")
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    core = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    if sp or t == 1:
+        return sbh * (34 / t + core)
+    return sbh * (10 + 24 / t + core)
+
+
 def transformer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, layers: int = 1) -> float:
     """Korthikanti et al. 2022: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer (16-bit, no parallelism).
 
     34 sbh: the layer's 16-bit inputs/outputs of LayerNorms, QKV, projections, GeLU and
     MLP (with 1-byte dropout masks); 5as^2b: the softmax input, output and dropout mask.
+    The general form (tensor/sequence parallelism, recompute) is :func:`activation_bytes_per_layer`.
     """
-    s, b, h, a = seq, batch, hidden, heads
-    return layers * s * b * h * (34 + 5 * a * s / h)
+    return layers * activation_bytes_per_layer(seq, batch, hidden, heads)
 
 
 def communication_bytes(stage: str, psi: float, elem_bytes: int = 2) -> float:
