@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ReduceOp
+
+from labkit.parallel.layout import global_rank, group_rank_and_size
 
 __all__ = [
     "SUPPORTED_OPS",
@@ -86,16 +88,6 @@ def combine_(acc: torch.Tensor, x: torch.Tensor, op: object) -> torch.Tensor:
     raise ValueError(f"unsupported reduce op {op_name(op)}")
 
 
-def group_rank_and_size(group: ProcessGroup | None) -> tuple[int, int]:
-    """This process's rank inside ``group`` (None = WORLD) and the group's size."""
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
-    """The global rank of ``group_rank``: what point-to-point calls need, even on a subgroup."""
-    if group is None or group is dist.group.WORLD:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
 
 
 def isend(tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:

@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.layout import global_rank
+
 AllReduceFn = Callable[[torch.Tensor, Any], None]
 """An in-place SUM all-reduce: ``fn(tensor, group) -> None``, e.g. labkit's ring all-reduce."""
 
@@ -175,7 +177,7 @@ class DataParallel(nn.Module):
 
     def _broadcast_from_rank0(self) -> None:
         """Every rank starts from rank 0's parameters and buffers (frozen ones included)."""
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        src = global_rank(self.group, 0)
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 dist.broadcast(t.data, src=src, group=self.group)

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from labkit.collectives.comm import Comm
+from labkit.parallel.layout import global_rank
 from labkit.zero.adam import AdamConfig, adamw_
 from labkit.zero.partition import FlatLayout, flat_layout, flatten_into, param_views
 
@@ -144,7 +145,7 @@ class ZeRO1:
         """The unit's parameters as one fp32 (padded,) buffer, identical on every rank."""
         flat = self._zeros(u.layout.padded, "temporaries")
         flatten_into(flat, u.layout, [p.detach() for p in u.params])
-        dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        dist.broadcast(flat, src=global_rank(self.group, 0), group=self.group)
         return flat
 
     def _build(self, u: Unit) -> None:
