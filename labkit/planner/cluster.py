@@ -1,0 +1,79 @@
+"""A cluster as the planner sees it: nodes of GPUs, and two classes of link.
+
+Inside a node GPUs talk over NVLink/NVSwitch; between nodes over InfiniBand (or Ethernet).
+Each link class is an alpha-beta pair (Hockney: a message of n bytes takes alpha + n / bandwidth).
+Bandwidths are *per GPU*, one direction, as a ring collective sees them (NCCL's busbw): a DGX
+A100 has 8 HDR InfiniBand adapters of 200 Gb/s, one per GPU, so 25 GB/s per GPU between nodes,
+and NVLink 3 at 300 GB/s per direction per GPU inside the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CLUSTERS", "Cluster"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``gpus_per_node`` GPUs. Bandwidths in bytes/s per GPU, latencies in seconds."""
+
+    nodes: int
+    gpus_per_node: int
+    memory_bytes: float
+    peak_flops: float  # dense 16-bit FLOP/s per GPU
+    intra_bandwidth: float
+    inter_bandwidth: float
+    intra_latency: float = 5e-6
+    inter_latency: float = 10e-6
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        fields = {
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "memory_bytes": self.memory_bytes,
+            "peak_flops": self.peak_flops,
+            "intra_bandwidth": self.intra_bandwidth,
+            "inter_bandwidth": self.inter_bandwidth,
+        }
+        bad = {k: v for k, v in fields.items() if not v > 0}
+        if bad:
+            raise ValueError(f"cluster values must be > 0, got {bad} (cluster {self.name or fields})")
+        if self.intra_latency < 0 or self.inter_latency < 0:
+            raise ValueError(
+                f"latencies must be >= 0, got intra {self.intra_latency}, inter {self.inter_latency}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        from dataclasses import replace
+
+        return replace(self, nodes=nodes)
+
+    def link(self, group_span: int) -> tuple[float, float]:
+        """(alpha, bandwidth) for a group whose ranks lie ``group_span`` apart or less in global
+        rank order: inside one node if the span fits in it, else the slow link decides."""
+        if group_span <= self.gpus_per_node:
+            return self.intra_latency, self.intra_bandwidth
+        return self.inter_latency, self.inter_bandwidth
+
+
+CLUSTERS: dict[str, Cluster] = {
+    # Selene, the machine of Narayanan et al. 2021: DGX A100 80GB nodes, 312 TFLOP/s bf16/fp16.
+    "dgx-a100-80gb": Cluster(
+        nodes=1, gpus_per_node=8, memory_bytes=80 * GB, peak_flops=312e12,
+        intra_bandwidth=300 * GB, inter_bandwidth=25 * GB, name="DGX A100 80GB",
+    ),
+    # DGX H100: NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s NDR (50 GB/s per GPU),
+    # 989 TFLOP/s dense bf16 (SXM).
+    "dgx-h100-80gb": Cluster(
+        nodes=1, gpus_per_node=8, memory_bytes=80 * GB, peak_flops=989e12,
+        intra_bandwidth=450 * GB, inter_bandwidth=50 * GB, name="DGX H100 80GB",
+    ),
+}

@@ -1,0 +1,93 @@
+"""The planner (pure arithmetic, no processes), proven against Narayanan et al. 2021, Table 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.memory.model import MIXED_ADAM, activation_bytes_per_layer, model_states
+from labkit.models import GPTConfig
+from labkit.planner import (
+    CLUSTERS,
+    MEGATRON_TABLE1,
+    Candidate,
+    Cluster,
+    achieved_flops_per_gpu,
+    megatron_flops_per_iteration,
+    plan,
+    predict,
+    training_days,
+)
+from labkit.planner.flops import A100_PEAK, TABLE1_SEQ, TABLE1_VOCAB, megatron_params
+
+
+def _cfg(row) -> GPTConfig:
+    return GPTConfig(vocab_size=TABLE1_VOCAB, block_size=TABLE1_SEQ, n_layer=row.layers,
+                     n_head=row.heads, n_embd=row.hidden)
+
+
+@pytest.mark.parametrize("row", MEGATRON_TABLE1, ids=lambda r: f"{r.params_billion}B")
+def test_table1_parameters_and_flops_arithmetic(row) -> None:
+    cfg = _cfg(row)
+    # the paper's count and labkit's GPT (which adds a final LayerNorm, 2h) agree to 0.1B
+    assert round(megatron_params(row.layers, row.hidden, TABLE1_VOCAB, TABLE1_SEQ) / 1e9, 1) == row.params_billion
+    assert abs(cfg.num_params() / 1e9 - row.params_billion) < 0.051
+    flops = megatron_flops_per_iteration(row.batch, TABLE1_SEQ, row.layers, row.hidden, TABLE1_VOCAB)
+    # the iteration time the table implies (aggregate PFLOP/s), and the per-GPU rate back from it
+    seconds = flops / (row.aggregate_pflops * 1e15)
+    per_gpu = achieved_flops_per_gpu(flops, seconds, row.gpus)
+    assert per_gpu / 1e12 == pytest.approx(row.tflops_per_gpu, rel=0.01)
+    assert round(100 * row.tflops_per_gpu * 1e12 / A100_PEAK) == row.percent_of_peak
+
+
+def test_flops_formula_by_hand() -> None:
+    # B=1, s=1, l=1, h=1, V=16: 96 (1 + 1/6 + 16/16) = 208; without recompute 72 (1 + 1/6) + 6*16
+    assert megatron_flops_per_iteration(1, 1, 1, 1, 16) == pytest.approx(96 * (1 + 1 / 6 + 1))
+    assert megatron_flops_per_iteration(1, 1, 1, 1, 16, recompute=False) == pytest.approx(72 * (1 + 1 / 6) + 96)
+
+
+def test_training_time_estimates_of_the_paper() -> None:
+    # section 5.1: GPT-3 (175B, 300B tokens) on 1024 A100s at 140 TFLOP/s: 34 days;
+    # the 1T row (1008B parameters), 450B tokens on 3072 A100s at 163 TFLOP/s: 84 days
+    assert round(training_days(300e9, 175e9, 1024, 140e12)) == 34
+    assert round(training_days(450e9, 1008e9, 3072, 163e12)) == 84
+
+
+@pytest.mark.parametrize("row", MEGATRON_TABLE1, ids=lambda r: f"{r.params_billion}B")
+def test_planner_ranks_the_papers_layout_in_its_top_three(row) -> None:
+    cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(row.gpus // 8)
+    ranked: list[tuple[int, int]] = []
+    for pred in plan(_cfg(row), cluster, row.batch):  # full recompute, no ZeRO, v = 1
+        key = (pred.candidate.tp, pred.candidate.pp)
+        if pred.fits and key not in ranked:
+            ranked.append(key)
+    assert (row.tp, row.pp) in ranked[:3], f"{row.params_billion}B: paper {(row.tp, row.pp)}, planner {ranked[:5]}"
+
+
+def test_prediction_parts_by_hand() -> None:
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
+    cluster = Cluster(nodes=1, gpus_per_node=4, memory_bytes=1e9, peak_flops=1e12,
+                      intra_bandwidth=1e10, inter_bandwidth=1e9, intra_latency=0, inter_latency=0)
+    cand = Candidate(dp=2, tp=2, pp=1, micro_batch=2, zero=1, recompute="none")
+    pred = predict(cfg, cluster, 8, cand, precision=MIXED_ADAM)
+    h = 64
+    psi = (4 * (12 * h * h + 13 * h) + 64 * h) / 2 + 32 * h  # the stage's shard
+    states = model_states("zero1", psi, 2, MIXED_ADAM)
+    assert pred.memory["optimizer"] == pytest.approx(states.optimizer_state)
+    assert pred.memory["parameters"] == pytest.approx(2 * psi)
+    assert pred.memory["activations"] == pytest.approx(4 * activation_bytes_per_layer(32, 2, 64, 4, tp=2))
+    assert pred.micro_batches == 2 and pred.time["bubble"] == 0 and pred.time["pp_comm"] == 0
+    # tp comm: 4 layers x 2 micro-batches x 4 all-reduces of 2*b*s*h bytes over 2 ranks (ring)
+    assert pred.time["tp_comm"] == pytest.approx(4 * 2 * 4 * (2 * 2 * 32 * 64) / 1e10)
+
+
+def test_bad_input_names_the_values() -> None:
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
+    cluster = CLUSTERS["dgx-a100-80gb"]
+    with pytest.raises(ValueError, match=r"dp=2 x tp=2 x pp=1 = 4 ranks, but world_size=8"):
+        predict(cfg, cluster, 8, Candidate(dp=2, tp=2, pp=1, micro_batch=1))
+    with pytest.raises(ValueError, match="head count 4 is not divisible by tp=8"):
+        predict(cfg, cluster, 8, Candidate(dp=1, tp=8, pp=1, micro_batch=1))
+    with pytest.raises(ValueError, match=r"inter_bandwidth': 0"):
+        Cluster(nodes=8, gpus_per_node=8, memory_bytes=80e9, peak_flops=1e15, intra_bandwidth=1e11, inter_bandwidth=0)
+    with pytest.raises(ValueError, match="global batch 6 is not divisible by dp=4 x micro-batch 1"):
+        predict(cfg, cluster, 6, Candidate(dp=4, tp=2, pp=1, micro_batch=1))
