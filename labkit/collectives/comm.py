@@ -26,6 +26,11 @@ __all__ = ["Comm", "IMPLS"]
 
 IMPLS = ("torch", "ring")
 
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single; older releases
+# (a GPU image may ship one) have only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class _Done:
     def wait(self) -> None:
@@ -68,7 +73,7 @@ class Comm:
 
             ring_reduce_scatter(out_shard, in_full, group=self.group, check=False)
         else:
-            dist.reduce_scatter_single(out_shard, in_full, group=self.group)
+            _reduce_scatter(out_shard, in_full, group=self.group)
 
     def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, async_op: bool = False) -> Any:
         """``out_full`` <- every rank's ``in_shard`` end to end. Returns a handle to ``wait()``."""
@@ -80,7 +85,7 @@ class Comm:
 
             ring_all_gather(out_full, in_shard, group=self.group, check=False)
         else:
-            work = dist.all_gather_single(out_full, in_shard, group=self.group, async_op=async_op)
+            work = _all_gather(out_full, in_shard, group=self.group, async_op=async_op)
             if async_op:
                 return work
         return _Done()
