@@ -17,7 +17,14 @@ from labkit.planner.flops import (
     megatron_flops_per_iteration,
     training_days,
 )
-from labkit.planner.plan import Candidate, Prediction, enumerate_candidates, plan, predict
+from labkit.planner.plan import (
+    Candidate,
+    Prediction,
+    compare_table1,
+    enumerate_candidates,
+    plan,
+    predict,
+)
 
 __all__ = [
     "CLUSTERS",
@@ -27,6 +34,7 @@ __all__ = [
     "Prediction",
     "TableRow",
     "achieved_flops_per_gpu",
+    "compare_table1",
     "enumerate_candidates",
     "megatron_flops_per_iteration",
     "plan",
