@@ -1,0 +1,197 @@
+"""Run any valid schedule on real processes: each rank runs its action list, in order.
+
+* F(mb, c): chunk c's forward on its input (tokens on the first stage, a received activation
+  otherwise); the last stage's output is the loss ``lm_loss / m`` (gradient accumulation over
+  the m micro-batches: the summed gradients are those of the mean loss).
+* B(mb, c): backward from the output (or the loss) into the stage's input and, unless the
+  schedule splits the backward, into the parameters.
+* W(mb, c), split schedules only: the weight gradient. Autograd has no public way to keep the
+  graph's input-gradient half and run only the weight half later, so B computes the input
+  gradient with ``autograd.grad(..., retain_graph=True)`` and W re-walks the stage's graph
+  into the parameters (``backward(inputs=params)``): correct, but W costs about a whole
+  backward here, where the paper's split costs nothing extra.
+* each run of sends/receives between two compute actions is ONE ``dist.batch_isend_irecv``,
+  waited on as a whole: the NCCL-safe form the validator checks (gloo runs it too).
+
+The stash (a micro-batch's input and output kept from F to B, or W) is a dict; the measured
+peak counts stashed outputs still alive through weak references, so a leak would show.
+After the last action: the tied embedding's gradient is summed over the embedding group.
+Every action's start and end are recorded (seconds since the step's starting barrier).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labkit.models.gpt import lm_loss
+from labkit.parallel.layout import global_rank
+from labkit.pipeline.actions import Action, Schedule
+from labkit.pipeline.stages import StageModule, tied_pair
+
+__all__ = ["StepResult", "embedding_group", "pipeline_step"]
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # mean loss over the micro-batches, on the rank holding the last stage
+    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+    peak_stash: int = 0
+
+
+def embedding_group(p: int, v: int, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """The group of the two ranks holding the first and last stage (None if one rank holds
+    both). Every rank of the WORLD must call it (``new_group`` is collective)."""
+    first, last = tied_pair(p, v)
+    ranks = sorted({global_rank(group, first), global_rank(group, last)})
+    g = dist.new_group(ranks) if len(ranks) == 2 else None
+    return g
+
+
+def _reduce_tied(chunks: list[StageModule], emb_group: dist.ProcessGroup | None) -> None:
+    """Sum the tied weight's two gradients (wte on the first stage, head on the last). With no
+    group, one rank holds both uses in one Parameter: autograd already summed them."""
+    if emb_group is None:
+        return
+    for c in chunks:
+        if not c.tied:
+            continue
+        for w in ([c.wte.weight] if c.is_first else []) + ([c.head.weight] if c.is_last else []):
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            dist.all_reduce(w.grad, group=emb_group)
+
+
+def pipeline_step(
+    sched: Schedule,
+    chunks: list[StageModule],
+    inputs: list[torch.Tensor] | None,
+    targets: list[torch.Tensor] | None,
+    act_shape: tuple[int, ...],
+    *,
+    group: dist.ProcessGroup | None = None,
+    emb_group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> StepResult:
+    """One training step's forward and backward on this pipeline rank (gradients accumulate in
+    ``.grad``; the caller steps the optimizer). ``inputs``/``targets``: the m micro-batches
+    of tokens (B, T), needed on the first/last stage's rank. ``act_shape``: (B, T, d), the
+    shape of every activation and gradient that crosses ranks."""
+    rank = dist.get_rank(group)
+    device = next(chunks[0].parameters()).device
+    last_stage = sched.num_stages - 1
+    stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, chunk) -> (x, y)
+    for_w: dict[tuple[int, int], torch.Tensor | None] = {}  # output gradient kept for W
+    alive: list[weakref.ref] = []
+    received: dict[tuple[str, int, int], torch.Tensor] = {}
+    grads_out: dict[tuple[int, int], torch.Tensor] = {}  # input gradients to send back
+    local: dict[tuple[str, int, int], torch.Tensor] = {}  # hand-offs between chunks of a rank
+    batch: list[Action] = []
+    result = StepResult(loss=None)
+    loss_sum = 0.0
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+
+    def flush() -> None:
+        if not batch:
+            return
+        start = time.perf_counter() - t0
+        ops, bufs = [], []
+        for a in batch:
+            peer = global_rank(group, a.peer)  # type: ignore[arg-type]
+            if a.kind == "SEND_F":
+                ops.append(dist.P2POp(dist.isend, stash[(a.mb, a.chunk)][1].detach(), peer))
+            elif a.kind == "SEND_B":
+                ops.append(dist.P2POp(dist.isend, grads_out.pop((a.mb, a.chunk)), peer))
+            else:
+                buf = torch.empty(act_shape, dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, buf, peer))
+                bufs.append((a, buf))
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        for a, buf in bufs:
+            received[(a.kind, a.mb, a.chunk)] = buf
+        end = time.perf_counter() - t0
+        result.timeline += [(a, start, end) for a in batch]
+        batch.clear()
+
+    for a in sched.ranks[rank]:
+        if not a.is_compute:
+            batch.append(a)
+            continue
+        flush()
+        chunk = chunks[a.chunk]
+        s = sched.stage(rank, a.chunk)
+        start = time.perf_counter() - t0
+        if a.kind == "F":
+            if s == 0:
+                x = inputs[a.mb]  # type: ignore[index]
+            else:
+                x = received.pop(("RECV_F", a.mb, a.chunk), None)
+                if x is None:
+                    x = local.pop(("F", a.mb, a.chunk - 1))
+                x.requires_grad_(True)
+            y = chunk(x)
+            if s == last_stage:
+                y = lm_loss(y, targets[a.mb]) / sched.m  # type: ignore[index]
+                loss_sum += y.item() * sched.m
+            elif sched.place(s + 1)[0] == rank:
+                local[("F", a.mb, a.chunk + 1)] = y.detach()
+            stash[(a.mb, a.chunk)] = (x, y)
+            alive.append(weakref.ref(y))
+            result.peak_stash = max(result.peak_stash, sum(r() is not None for r in alive))
+        elif a.kind == "B":
+            x, y = stash[(a.mb, a.chunk)]
+            if s == last_stage:
+                dy = None
+            else:
+                dy = received.pop(("RECV_B", a.mb, a.chunk), None)
+                if dy is None:
+                    dy = local.pop(("B", a.mb, a.chunk + 1))
+            if sched.split_backward:
+                if s > 0:  # input gradient only; keep the graph for W
+                    (dx,) = torch.autograd.grad(y, x, dy, retain_graph=True)
+                    _hand_back(sched, rank, s, a, dx, grads_out, local)
+            else:
+                torch.autograd.backward(y, dy)
+                del stash[(a.mb, a.chunk)]
+                if s > 0:
+                    _hand_back(sched, rank, s, a, x.grad, grads_out, local)  # type: ignore[arg-type]
+            if sched.split_backward:
+                for_w[(a.mb, a.chunk)] = dy
+        else:  # W
+            x, y = stash.pop((a.mb, a.chunk))
+            dy = for_w.pop((a.mb, a.chunk))
+            params = [q for q in chunk.parameters() if q.requires_grad]
+            torch.autograd.backward(y, dy, inputs=params)
+        del x, y
+        result.timeline.append((a, start, time.perf_counter() - t0))
+    flush()
+    _reduce_tied(chunks, emb_group)
+    if any(c.is_last for c in chunks):
+        result.loss = loss_sum / sched.m
+    return result
+
+
+def _hand_back(sched: Schedule, rank: int, s: int, a: Action, dx: torch.Tensor, grads_out: dict,
+               local: dict) -> None:
+    """Queue stage s's input gradient for the previous stage: a send, or a local hand-off."""
+    if sched.place(s - 1)[0] == rank:
+        local[("B", a.mb, a.chunk - 1)] = dx
+    else:
+        grads_out[(a.mb, a.chunk)] = dx
+
+
+def reference_grads(model: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    """Single-process gradient accumulation over the same micro-batches; returns the mean loss."""
+    total = 0.0
+    for x, t in zip(inputs, targets):
+        loss = lm_loss(model(x), t) / len(inputs)
+        loss.backward()
+        total += loss.item()
+    return total
