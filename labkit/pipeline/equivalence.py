@@ -30,11 +30,11 @@ FROZEN = ("wpe.weight",)
 class PipeCase:
     """One run: the model, ``m`` micro-batches of ``batch`` sequences of ``seq`` tokens."""
 
-    cfg: GPTConfig = GPTConfig(vocab_size=65, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    cfg: GPTConfig = GPTConfig(vocab_size=65, block_size=8, n_layer=4, n_head=2, n_embd=16)
     m: int = 4
     batch: int = 2
-    seq: int = 16
-    steps: int = 3
+    seq: int = 8
+    steps: int = 2
     lr: float = 0.1
     seed: int = 0
 
@@ -66,27 +66,33 @@ def train_reference(case: PipeCase) -> dict[str, Any]:
     """Single process: accumulate the m micro-batches' gradients, one SGD step, ``steps`` times."""
     model = _model(case)
     opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=case.lr, momentum=0.9)
-    losses, grads = [], {}
+    losses, grads, params = [], {}, []
     for step in range(case.steps):
         opt.zero_grad(set_to_none=True)
         losses.append(reference_grads(model, *micro_batches(case, step)))
         if step == 0:
             grads = _snapshot(model.named_parameters(), grads=True)
         opt.step()
-    return {"losses": losses, "grads": grads, "params": _snapshot(model.named_parameters(), grads=False)}
+        params.append(_snapshot(model.named_parameters(), grads=False))
+    return {"losses": losses, "grads": grads, "params": params}
 
 
-def train_pipeline(sched: Schedule, case: PipeCase, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def train_pipeline(
+    sched: Schedule, case: PipeCase, group: dist.ProcessGroup | None = None, emb: Any = "new"
+) -> dict[str, Any]:
     """On every pipeline rank (the same ``sched`` everywhere): this rank's chunks trained for
-    ``case.steps`` steps. Returns losses (last-stage rank), first-step gradients and final
-    parameters by full-model name, the last step's measured timeline and peak stash."""
+    ``case.steps`` steps. Returns losses (last-stage rank), first-step gradients and the
+    parameters after every step by full-model name, the last step's measured timeline and
+    peak stash. ``emb``: the embedding group (:func:`embedding_group`), made here if "new"."""
     rank = dist.get_rank(group)
     chunks = build_stages(_model(case), rank, sched.p, sched.v)
     named = [(n, q) for c in chunks for n, q in c.named_parameters()]
     opt = torch.optim.SGD([q for _, q in named if q.requires_grad], lr=case.lr, momentum=0.9)
-    emb = embedding_group(sched.p, sched.v, group)
+    own = emb == "new"
+    if own:
+        emb = embedding_group(sched.p, sched.v, group)
     shape = (case.batch, case.seq, case.cfg.n_embd)
-    losses, grads, res = [], {}, None
+    losses, grads, params, res = [], {}, [], None
     for step in range(case.steps):
         opt.zero_grad(set_to_none=True)
         inputs, targets = micro_batches(case, step)
@@ -95,13 +101,39 @@ def train_pipeline(sched: Schedule, case: PipeCase, group: dist.ProcessGroup | N
         if step == 0:
             grads = _snapshot(named, grads=True)
         opt.step()
-    if emb is not None:
+        params.append(_snapshot(named, grads=False))
+    if own and emb is not None:
         dist.destroy_process_group(emb)
     assert res is not None
     return {
         "losses": losses,
         "grads": grads,
-        "params": _snapshot(named, grads=False),
+        "params": params,
         "timeline": res.timeline,
         "peak_stash": res.peak_stash,
     }
+
+
+def case_for(p: int, m: int, **changes: Any) -> PipeCase:
+    """The test model for p pipeline ranks: 2p layers, so interleaving with v = 2 divides."""
+    base = PipeCase()
+    return PipeCase(cfg=base.cfg.with_(n_layer=2 * p), m=m, **changes)
+
+
+def run_cases(cases: list[tuple[str, int, int]], p: int) -> list[dict[str, Any]]:
+    """On each of p ranks: every (schedule, m, v) of ``cases`` in turn (one launch for all)."""
+    from labkit.pipeline.schedules import make_schedule
+
+    emb = embedding_group(p, 1)  # every schedule here puts the last stage on rank p - 1
+    out = [train_pipeline(make_schedule(name, p, m, v), case_for(p, m), emb=emb) for name, m, v in cases]
+    if emb is not None:
+        dist.destroy_process_group(emb)
+    return out
+
+
+def check_cases(cases: list[tuple[str, int, int]], p: int) -> None:
+    """Every case's model cut and schedule, checked before any process starts."""
+    from labkit.pipeline.stages import check_pipeline
+
+    for name, m, v in cases:
+        check_pipeline(case_for(p, m).cfg.n_layer, p, m, name, v)
