@@ -1,0 +1,44 @@
+"""Measured pipeline timelines: from each rank's recorded actions to a bubble and fitted costs.
+
+The executor records, per rank, ``(action, start, end)`` in seconds since the step's barrier.
+:func:`measured` turns all ranks' records into the simulator's ``TimedAction`` list (so the
+same drawing shows both); :func:`fitted_costs` takes the median F, B and W durations (per
+rank's whole share, i.e. times v) so the simulator can replay the same schedule at the costs
+this machine actually showed; :func:`measured_bubble` is 1 - busy / makespan, averaged over
+ranks, the simulator's definition.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from labkit.pipeline.actions import Schedule
+from labkit.pipeline.simulator import Costs, TimedAction
+
+__all__ = ["fitted_costs", "measured", "measured_bubble"]
+
+
+def measured(timelines: list[list[tuple[Any, float, float]]]) -> list[TimedAction]:
+    """Every rank's records as one list (rank = index in ``timelines``)."""
+    return [TimedAction(r, a, s, e) for r, tl in enumerate(timelines) for a, s, e in tl]
+
+
+def measured_bubble(timeline: list[TimedAction]) -> float:
+    """Idle share of the makespan, averaged over ranks (compute actions count as busy)."""
+    ranks = sorted({t.rank for t in timeline})
+    start = min(t.start for t in timeline)
+    makespan = max(t.end for t in timeline) - start
+    busy = [sum(t.end - t.start for t in timeline if t.rank == r and t.action.is_compute) for r in ranks]
+    return sum(1 - b / makespan for b in busy) / len(busy)
+
+
+def fitted_costs(timeline: list[TimedAction], sched: Schedule) -> Costs:
+    """Median durations of F, B and W (for a rank's whole share), and of a send/receive batch
+    as the latency. Without W, the whole backward is put in B."""
+    def med(kind: str) -> float:
+        d = [t.end - t.start for t in timeline if t.action.kind == kind]
+        return statistics.median(d) * sched.v if d else 0.0
+
+    comm = [t.end - t.start for t in timeline if not t.action.is_compute]
+    return Costs(F=med("F"), B=med("B"), W=med("W"), latency=statistics.median(comm) if comm else 0.0)
