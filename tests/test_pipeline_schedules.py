@@ -149,3 +149,43 @@ def test_bad_input_names_the_numbers():
         check_pipeline(8, 2, 4, "1f1b", 2)
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         check_pipeline(8, 2, 4, "pipedream")
+
+
+def _learner(warmup):
+    """A 1F1B-shaped generator with a chosen warm-up rule (the correct one is p - r - 1)."""
+    def gen(p, m):
+        orders = []
+        for r in range(p):
+            w = min(warmup(p, r), m)
+            order = [Action("F", i) for i in range(w)]
+            for i in range(m - w):
+                order += [Action("F", w + i), Action("B", i)]
+            orders.append(order + [Action("B", i) for i in range(m - w, m)])
+        return orders
+    return gen
+
+
+def test_exercise_check_accepts_1f1b_and_names_what_is_wrong():
+    from labkit.checks.core import CheckFailed
+    from labkit.checks.pipeline import review_1f1b
+
+    assert review_1f1b(_learner(lambda p, r: p - r - 1)).compute(0) == make_schedule("1f1b", 2, 4).compute(0)
+    # negative controls: each wrong generator is rejected with the rank and the place
+    with pytest.raises(CheckFailed, match=r"deadlock: rank 0 blocks at position \d+ on rB0"):
+        review_1f1b(_learner(lambda p, r: r))  # warm-up reversed: rank 0 waits, rank 1 waits
+    with pytest.raises(CheckFailed, match="rank 0 holds 3 micro-batches' activations.*min\\(p - r, m\\) = 2"):
+        review_1f1b(_learner(lambda p, r: p - r))  # one warm-up forward too many
+
+    def backward_first(p, m):
+        orders = _learner(lambda p, r: p - r - 1)(p, m)
+        orders[-1][0], orders[-1][1] = orders[-1][1], orders[-1][0]
+        return orders
+
+    with pytest.raises(CheckFailed, match=r"rank 1, position \d+, B0.0 \(micro-batch 0\): backward before its forward"):
+        review_1f1b(backward_first)
+
+    def gpipe_order(p, m):
+        return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
+
+    with pytest.raises(CheckFailed, match="p=2, m=4: rank 0 holds 4 micro-batches"):
+        review_1f1b(gpipe_order)  # valid, but GPipe's memory
