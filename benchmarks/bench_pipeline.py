@@ -53,6 +53,7 @@ def job(cfg: GPTConfig, p: int, m: int, mb: int, seq: int, steps: int, warmup: i
                 q.grad = None
             res = pipeline_step(sched, ours_chunks, list(x.chunk(m)), list(y.chunk(m)), shape)
             out["losses"][f"ours {name}"] = res.loss
+
         return step
 
     def theirs(cls):
@@ -70,10 +71,15 @@ def job(cfg: GPTConfig, p: int, m: int, mb: int, seq: int, steps: int, warmup: i
                 out["losses"][cls.__name__] = sum(float(v) for v in losses) / m
             else:
                 sch.step()
+
         return step
 
-    fns = {"ours gpipe": ours("gpipe"), "torch ScheduleGPipe": theirs(ScheduleGPipe),
-           "ours 1f1b": ours("1f1b"), "torch Schedule1F1B": theirs(Schedule1F1B)}
+    fns = {
+        "ours gpipe": ours("gpipe"),
+        "torch ScheduleGPipe": theirs(ScheduleGPipe),
+        "ours 1f1b": ours("1f1b"),
+        "torch Schedule1F1B": theirs(Schedule1F1B),
+    }
     times = interleaved_times(fns, steps, warmup, sync=dist.barrier)
     out["times"] = {k: spread(v) for k, v in times.items()}
     return out
@@ -93,21 +99,43 @@ def main() -> None:
     from labkit.pipeline.stages import check_pipeline
 
     check_pipeline(args.layers, args.ranks, args.m, "1f1b")
-    cfg = GPTConfig(n_layer=args.layers, n_embd=args.embd, n_head=4, block_size=args.seq, tie_weights=False)
-    per_rank = launch(job, cfg, args.ranks, args.m, args.mb, args.seq, args.steps, args.warmup,
-                      world_size=args.ranks, timeout=900, quiet=True)
+    cfg = GPTConfig(
+        n_layer=args.layers, n_embd=args.embd, n_head=4, block_size=args.seq, tie_weights=False
+    )
+    per_rank = launch(
+        job,
+        cfg,
+        args.ranks,
+        args.m,
+        args.mb,
+        args.seq,
+        args.steps,
+        args.warmup,
+        world_size=args.ranks,
+        timeout=900,
+        quiet=True,
+    )
     times = per_rank[0]["times"]
     losses = per_rank[-1]["losses"]
-    print(f"GPT {args.layers} x {args.embd} ({cfg.num_params() / 1e6:.2f}M params), {args.ranks} ranks, "
-          f"m={args.m} micro-batches of {args.mb} x {args.seq}")
+    print(
+        f"GPT {args.layers} x {args.embd} ({cfg.num_params() / 1e6:.2f}M params), "
+        f"{args.ranks} ranks, "
+        f"m={args.m} micro-batches of {args.mb} x {args.seq}"
+    )
     for name, sp in times.items():
-        print(f"{name:>22}: {sp}   loss {losses[name if name.startswith('ours') else name.split()[1]]:.6f}")
-    for ours_name, theirs_name in (("ours gpipe", "torch ScheduleGPipe"), ("ours 1f1b", "torch Schedule1F1B")):
+        key = name if name.startswith("ours") else name.split()[1]
+        print(f"{name:>22}: {sp}   loss {losses[key]:.6f}")
+    for ours_name, theirs_name in (
+        ("ours gpipe", "torch ScheduleGPipe"),
+        ("ours 1f1b", "torch Schedule1F1B"),
+    ):
         loss_a, loss_b = losses[ours_name], losses[theirs_name.split()[1]]
         if abs(loss_a - loss_b) > 1e-4 * abs(loss_b):
             raise SystemExit(f"{ours_name} loss {loss_a} differs from {theirs_name}'s {loss_b}")
         x = times[ours_name].median / times[theirs_name].median
-        print(f"{ours_name} / {theirs_name}: {x:.2f}x (target <= 1.0x) {'OK' if x <= 1.0 else 'MISS'}")
+        print(
+            f"{ours_name} / {theirs_name}: {x:.2f}x (target <= 1.0x) {'OK' if x <= 1.0 else 'MISS'}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ def _compare(p: int, results: list[list[dict]], cases: list[tuple[str, int, int]
         for r in range(p):
             res = results[r][k]
             snapshots = [("grads", res["grads"], ref["grads"])]
-            snapshots += [(f"params after step {i + 1}", g, w) for i, (g, w) in enumerate(zip(res["params"], ref["params"]))]
+            snapshots += [
+                (f"params after step {i + 1}", g, w)
+                for i, (g, w) in enumerate(zip(res["params"], ref["params"]))
+            ]
             for kind, got_named, want_named in snapshots:
                 for pname, got in got_named.items():
                     rname = "wte.weight" if pname == "head.weight" else pname  # tied copy
@@ -42,9 +45,13 @@ def _compare(p: int, results: list[list[dict]], cases: list[tuple[str, int, int]
                     if want is None:
                         assert got is None, f"{what}: rank {r} {pname} has a gradient but is frozen"
                         continue
-                    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-4, msg=f"{what}: rank {r} {kind} {pname}")
+                    torch.testing.assert_close(
+                        got, want, atol=2e-6, rtol=1e-4, msg=f"{what}: rank {r} {kind} {pname}"
+                    )
                     seen.add(rname)
-            assert res["peak_stash"] == sim.peak_stash[r], f"{what}: rank {r} measured vs simulated stash"
+            assert res["peak_stash"] == sim.peak_stash[r], (
+                f"{what}: rank {r} measured vs simulated stash"
+            )
             measured = [a for a, _, _ in res["timeline"] if a.is_compute]
             assert measured == sched.compute(r), what
             spans = sorted((s, e) for a, s, e in res["timeline"] if a.is_compute)

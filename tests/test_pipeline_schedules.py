@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.pipeline import Action, Costs, Schedule, ScheduleError, make_schedule, simulate, validate
+from labkit.pipeline import (
+    Action,
+    Costs,
+    Schedule,
+    ScheduleError,
+    make_schedule,
+    simulate,
+    validate,
+)
 from labkit.pipeline.simulator import replay
 from labkit.pipeline.stages import check_pipeline
 
@@ -28,7 +36,9 @@ def test_1f1b_small_case_by_hand():
     assert [a.label() for a in s.compute(1)] == ["F0", "B0", "F1", "B1"]
     assert [a.label() for a in s.ranks[1][:4]] == ["rF0<0", "F0", "B0", "sB0>0"]
     res = simulate(s)  # F = 1, full backward = 2
-    starts = {r: [t.start for t in res.timeline if t.rank == r and t.action.is_compute] for r in (0, 1)}
+    starts = {
+        r: [t.start for t in res.timeline if t.rank == r and t.action.is_compute] for r in (0, 1)
+    }
     # rank 1: F0 at 1 (after rank 0's F0), B0 2-4, F1 4-5, B1 5-7; rank 0 waits for the grads
     assert starts[1] == [1, 2, 4, 5]
     assert starts[0] == [0, 1, 4, 7]
@@ -90,15 +100,33 @@ def test_every_generated_schedule_validates_and_sends_match():
 def _deadlocking() -> Schedule:
     """Rank 0 waits for B0's gradient before sending F1; rank 1 waits for F1 before B0."""
     a = Action
-    r0 = [a("F", 0), a("SEND_F", 0, peer=1), a("RECV_B", 0, peer=1), a("B", 0),
-          a("F", 1), a("SEND_F", 1, peer=1), a("RECV_B", 1, peer=1), a("B", 1)]
-    r1 = [a("RECV_F", 0, peer=0), a("F", 0), a("RECV_F", 1, peer=0), a("F", 1),
-          a("B", 0), a("SEND_B", 0, peer=0), a("B", 1), a("SEND_B", 1, peer=0)]
+    r0 = [
+        a("F", 0),
+        a("SEND_F", 0, peer=1),
+        a("RECV_B", 0, peer=1),
+        a("B", 0),
+        a("F", 1),
+        a("SEND_F", 1, peer=1),
+        a("RECV_B", 1, peer=1),
+        a("B", 1),
+    ]
+    r1 = [
+        a("RECV_F", 0, peer=0),
+        a("F", 0),
+        a("RECV_F", 1, peer=0),
+        a("F", 1),
+        a("B", 0),
+        a("SEND_B", 0, peer=0),
+        a("B", 1),
+        a("SEND_B", 1, peer=0),
+    ]
     return Schedule("bad", 2, 2, ranks=[r0, r1])
 
 
 def test_deadlock_is_rejected_with_its_first_bad_action():
-    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 blocks at position 2 on rB0\.0<1 \(micro-batch 0\)") as e:
+    with pytest.raises(
+        ScheduleError, match=r"deadlock: rank 0 blocks at position 2 on rB0\.0<1 \(micro-batch 0\)"
+    ) as e:
         validate(_deadlocking())
     assert (e.value.rank, e.value.position, e.value.action) == (0, 2, Action("RECV_B", 0, peer=1))
 
@@ -108,7 +136,10 @@ def test_backward_before_forward_is_rejected():
     r1 = s.ranks[1]
     i, j = r1.index(Action("F", 2)), r1.index(Action("B", 2))
     r1[i], r1[j] = r1[j], r1[i]
-    with pytest.raises(ScheduleError, match=f"rank 1, position {i}, B2.0 \\(micro-batch 2\\): backward before its forward"):
+    with pytest.raises(
+        ScheduleError,
+        match=f"rank 1, position {i}, B2.0 \\(micro-batch 2\\): backward before its forward",
+    ):
         validate(s)
 
 
@@ -143,7 +174,9 @@ def test_bad_input_names_the_numbers():
         check_pipeline(8, 4, 2, "interleaved", 2)
     with pytest.raises(ValueError, match="n_layer=6 is not divisible by p=4 x v=1 = 4"):
         check_pipeline(6, 4, 8)
-    with pytest.raises(ValueError, match="n_layer=4 is not divisible by p=2 x v=3 = 6|6 pipeline stages"):
+    with pytest.raises(
+        ValueError, match="n_layer=4 is not divisible by p=2 x v=3 = 6|6 pipeline stages"
+    ):
         check_pipeline(4, 2, 4, "interleaved", 3)
     with pytest.raises(ValueError, match="v=2 needs the 'interleaved' schedule"):
         check_pipeline(8, 2, 4, "1f1b", 2)
@@ -153,6 +186,7 @@ def test_bad_input_names_the_numbers():
 
 def _learner(warmup):
     """A 1F1B-shaped generator with a chosen warm-up rule (the correct one is p - r - 1)."""
+
     def gen(p, m):
         orders = []
         for r in range(p):
@@ -162,6 +196,7 @@ def _learner(warmup):
                 order += [Action("F", w + i), Action("B", i)]
             orders.append(order + [Action("B", i) for i in range(m - w, m)])
         return orders
+
     return gen
 
 
@@ -169,11 +204,15 @@ def test_exercise_check_accepts_1f1b_and_names_what_is_wrong():
     from labkit.checks.core import CheckFailed
     from labkit.checks.pipeline import review_1f1b
 
-    assert review_1f1b(_learner(lambda p, r: p - r - 1)).compute(0) == make_schedule("1f1b", 2, 4).compute(0)
+    assert review_1f1b(_learner(lambda p, r: p - r - 1)).compute(0) == make_schedule(
+        "1f1b", 2, 4
+    ).compute(0)
     # negative controls: each wrong generator is rejected with the rank and the place
     with pytest.raises(CheckFailed, match=r"deadlock: rank 0 blocks at position \d+ on rB0"):
         review_1f1b(_learner(lambda p, r: r))  # warm-up reversed: rank 0 waits, rank 1 waits
-    with pytest.raises(CheckFailed, match="rank 0 holds 3 micro-batches' activations.*min\\(p - r, m\\) = 2"):
+    with pytest.raises(
+        CheckFailed, match="rank 0 holds 3 micro-batches' activations.*min\\(p - r, m\\) = 2"
+    ):
         review_1f1b(_learner(lambda p, r: p - r))  # one warm-up forward too many
 
     def backward_first(p, m):
@@ -181,11 +220,17 @@ def test_exercise_check_accepts_1f1b_and_names_what_is_wrong():
         orders[-1][0], orders[-1][1] = orders[-1][1], orders[-1][0]
         return orders
 
-    with pytest.raises(CheckFailed, match=r"rank 1, position \d+, B0.0 \(micro-batch 0\): backward before its forward"):
+    with pytest.raises(
+        CheckFailed,
+        match=r"rank 1, position \d+, B0.0 \(micro-batch 0\): backward before its forward",
+    ):
         review_1f1b(backward_first)
 
     def gpipe_order(p, m):
-        return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
+        return [
+            [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+            for _ in range(p)
+        ]
 
     with pytest.raises(CheckFailed, match="p=2, m=4: rank 0 holds 4 micro-batches"):
         review_1f1b(gpipe_order)  # valid, but GPipe's memory

@@ -36,12 +36,16 @@ RUN_P, RUN_M = 2, 4
 def _as_schedule(fn: Callable[[int, int], list[list[Action]]], p: int, m: int) -> Schedule:
     orders = fn(p, m)
     if not isinstance(orders, list) or len(orders) != p:
-        raise CheckFailed(f"p={p}, m={m}: expected a list of {p} per-rank lists, got {type(orders).__name__}"
-                          f" of length {len(orders) if isinstance(orders, list) else '?'}")
+        raise CheckFailed(
+            f"p={p}, m={m}: expected a list of {p} per-rank lists, got {type(orders).__name__}"
+            f" of length {len(orders) if isinstance(orders, list) else '?'}"
+        )
     for r, order in enumerate(orders):
         for i, a in enumerate(order):
             if not isinstance(a, Action) or a.kind not in ("F", "B") or a.chunk != 0:
-                raise CheckFailed(f"p={p}, m={m}: rank {r}, position {i}: expected Action('F'|'B', mb), got {a!r}")
+                raise CheckFailed(
+                    f"p={p}, m={m}: rank {r}, position {i}: expected Action('F'|'B', mb), got {a!r}"
+                )
     return with_communication("yours", p, m, 1, False, orders)
 
 
@@ -57,8 +61,9 @@ def review_1f1b(fn: Callable[[int, int], list[list[Action]]]) -> Schedule:
         for r in range(p):
             if res.peak_stash[r] != want[r]:
                 raise CheckFailed(
-                    f"p={p}, m={m}: rank {r} holds {res.peak_stash[r]} micro-batches' activations at its "
-                    f"peak; 1F1B holds min(p - r, m) = {want[r]} (how many warm-up forwards does rank {r} run?)"
+                    f"p={p}, m={m}: rank {r} holds {res.peak_stash[r]} micro-batches' "
+                    f"activations at its peak; 1F1B holds min(p - r, m) = {want[r]} "
+                    f"(how many warm-up forwards does rank {r} run?)"
                 )
         ref = one_f_one_b(p, m)
         for r in range(p):
@@ -68,12 +73,15 @@ def review_1f1b(fn: Callable[[int, int], list[list[Action]]]) -> Schedule:
                 i = i if i is not None else min(len(got), len(exp))
                 raise CheckFailed(
                     f"p={p}, m={m}: rank {r}'s list differs from 1F1B at position {i}: expected "
-                    f"{exp[i] if i < len(exp) else 'the end'}, got {got[i] if i < len(got) else 'the end'} "
+                    f"{exp[i] if i < len(exp) else 'the end'}, "
+                    f"got {got[i] if i < len(got) else 'the end'} "
                     f"(yours: {' '.join(got)})"
                 )
         bubble = (p - 1) / (m + p - 1)
         if abs(res.bubble_fraction - bubble) > 1e-9:
-            raise CheckFailed(f"p={p}, m={m}: bubble {res.bubble_fraction:.4f}, 1F1B's is {bubble:.4f}")
+            raise CheckFailed(
+                f"p={p}, m={m}: bubble {res.bubble_fraction:.4f}, 1F1B's is {bubble:.4f}"
+            )
     return _as_schedule(fn, RUN_P, RUN_M)
 
 
@@ -88,10 +96,16 @@ def check_1f1b(fn: Callable[[int, int], list[list[Action]]]) -> None:
     from labkit.pipeline.equivalence import case_for, train_reference
 
     sched = review_1f1b(fn)
-    losses = launch_check(_run, sched, world_size=RUN_P, timeout=180, backend="gloo", quiet=True)[-1]
+    losses = launch_check(_run, sched, world_size=RUN_P, timeout=180, backend="gloo", quiet=True)[
+        -1
+    ]
     ref = train_reference(case_for(RUN_P, RUN_M))["losses"]
     for step, (got, want) in enumerate(zip(losses, ref)):
         if got is None or abs(got - want) > 1e-5 * abs(want):
-            raise CheckFailed(f"step {step}: loss on the last rank {got}, single-process reference {want}")
-    passed(f"1F1B validated and simulated on {len(GRID)} (p, m) pairs; ran on {RUN_P} ranks "
-           f"(m={RUN_M}), losses {[round(x, 6) for x in ref]} equal the reference's")
+            raise CheckFailed(
+                f"step {step}: loss on the last rank {got}, single-process reference {want}"
+            )
+    passed(
+        f"1F1B validated and simulated on {len(GRID)} (p, m) pairs; ran on {RUN_P} ranks "
+        f"(m={RUN_M}), losses {[round(x, 6) for x in ref]} equal the reference's"
+    )

@@ -3,7 +3,7 @@
 The executor records, per rank, ``(action, start, end)`` in seconds since the step's barrier.
 :func:`measured` turns all ranks' records into the simulator's ``TimedAction`` list (so the
 same drawing shows both); :func:`fitted_costs` takes the median F, B and W durations (per
-rank's whole share, i.e. times v) so the simulator can replay the same schedule at the costs
+rank's whole share, i.e. times v) and the shortest transfer so the simulator can replay the same schedule at the costs
 this machine actually showed; :func:`measured_bubble` is 1 - busy / makespan, averaged over
 ranks, the simulator's definition.
 """
@@ -29,16 +29,23 @@ def measured_bubble(timeline: list[TimedAction]) -> float:
     ranks = sorted({t.rank for t in timeline})
     start = min(t.start for t in timeline)
     makespan = max(t.end for t in timeline) - start
-    busy = [sum(t.end - t.start for t in timeline if t.rank == r and t.action.is_compute) for r in ranks]
+    busy = [
+        sum(t.end - t.start for t in timeline if t.rank == r and t.action.is_compute) for r in ranks
+    ]
     return sum(1 - b / makespan for b in busy) / len(busy)
 
 
 def fitted_costs(timeline: list[TimedAction], sched: Schedule) -> Costs:
-    """Median durations of F, B and W (for a rank's whole share), and of a send/receive batch
-    as the latency. Without W, the whole backward is put in B."""
+    """Median durations of F, B and W (for a rank's whole share); without W the whole backward
+    is in B. Latency: the SHORTEST send/receive batch, the one whose data was already there
+    (a longer batch also contains waiting for the partner, which the replay must produce
+    itself, not be told)."""
+
     def med(kind: str) -> float:
         d = [t.end - t.start for t in timeline if t.action.kind == kind]
         return statistics.median(d) * sched.v if d else 0.0
 
     comm = [t.end - t.start for t in timeline if not t.action.is_compute]
-    return Costs(F=med("F"), B=med("B"), W=med("W"), latency=statistics.median(comm) if comm else 0.0)
+    return Costs(
+        F=med("F"), B=med("B"), W=med("W"), latency=min(comm) if comm else 0.0
+    )

@@ -41,7 +41,9 @@ class Action:
         if self.kind not in COMPUTE + COMM:
             raise ValueError(f"unknown action kind {self.kind!r}; expected one of {COMPUTE + COMM}")
         if (self.kind in COMM) != (self.peer is not None):
-            raise ValueError(f"{self.kind}: communication actions need a peer, compute actions none")
+            raise ValueError(
+                f"{self.kind}: communication actions need a peer, compute actions none"
+            )
 
     @property
     def is_compute(self) -> bool:
@@ -102,7 +104,9 @@ class Schedule:
                     batch.append(a.label(self.v))
             if batch:
                 cells.append("[" + " ".join(batch) + "]")
-            rows.append(f"rank {r} | " + " ".join(c if comm else c.ljust(5) for c in cells).rstrip())
+            rows.append(
+                f"rank {r} | " + " ".join(c if comm else c.ljust(5) for c in cells).rstrip()
+            )
         head = f"{self.name}: p={self.p} m={self.m} v={self.v}"
         if self.split_backward:
             head += " (B = input gradient, W = weight gradient)"

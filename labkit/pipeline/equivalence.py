@@ -54,7 +54,7 @@ def _model(case: PipeCase) -> GPT:
     return model
 
 
-def _snapshot(named: Any, grads: bool) -> dict[str, torch.Tensor]:
+def _snapshot(named: Any, grads: bool) -> dict[str, torch.Tensor | None]:
     out = {}
     for name, prm in named:
         t = prm.grad if grads else prm
@@ -65,7 +65,9 @@ def _snapshot(named: Any, grads: bool) -> dict[str, torch.Tensor]:
 def train_reference(case: PipeCase) -> dict[str, Any]:
     """Single process: accumulate the m micro-batches' gradients, one SGD step, ``steps`` times."""
     model = _model(case)
-    opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=case.lr, momentum=0.9)
+    opt = torch.optim.SGD(
+        [q for q in model.parameters() if q.requires_grad], lr=case.lr, momentum=0.9
+    )
     losses, grads, params = [], {}, []
     for step in range(case.steps):
         opt.zero_grad(set_to_none=True)
@@ -125,7 +127,10 @@ def run_cases(cases: list[tuple[str, int, int]], p: int) -> list[dict[str, Any]]
     from labkit.pipeline.schedules import make_schedule
 
     emb = embedding_group(p, 1)  # every schedule here puts the last stage on rank p - 1
-    out = [train_pipeline(make_schedule(name, p, m, v), case_for(p, m), emb=emb) for name, m, v in cases]
+    out = [
+        train_pipeline(make_schedule(name, p, m, v), case_for(p, m), emb=emb)
+        for name, m, v in cases
+    ]
     if emb is not None:
         dist.destroy_process_group(emb)
     return out

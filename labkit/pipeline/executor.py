@@ -44,7 +44,9 @@ class StepResult:
     peak_stash: int = 0
 
 
-def embedding_group(p: int, v: int, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+def embedding_group(
+    p: int, v: int, group: dist.ProcessGroup | None = None
+) -> dist.ProcessGroup | None:
     """The group of the two ranks holding the first and last stage (None if one rank holds
     both). Every rank of the WORLD must call it (``new_group`` is collective)."""
     first, last = tied_pair(p, v)
@@ -161,7 +163,9 @@ def pipeline_step(
                 torch.autograd.backward(y, dy)
                 del stash[(a.mb, a.chunk)]
                 if s > 0:
-                    _hand_back(sched, rank, s, a, x.grad, grads_out, local)  # type: ignore[arg-type]
+                    grad_x = x.grad
+                    assert grad_x is not None
+                    _hand_back(sched, rank, s, a, grad_x, grads_out, local)
             if sched.split_backward:
                 for_w[(a.mb, a.chunk)] = dy
         else:  # W
@@ -178,8 +182,9 @@ def pipeline_step(
     return result
 
 
-def _hand_back(sched: Schedule, rank: int, s: int, a: Action, dx: torch.Tensor, grads_out: dict,
-               local: dict) -> None:
+def _hand_back(
+    sched: Schedule, rank: int, s: int, a: Action, dx: torch.Tensor, grads_out: dict, local: dict
+) -> None:
     """Queue stage s's input gradient for the previous stage: a send, or a local hand-off."""
     if sched.place(s - 1)[0] == rank:
         local[("B", a.mb, a.chunk - 1)] = dx
@@ -187,7 +192,9 @@ def _hand_back(sched: Schedule, rank: int, s: int, a: Action, dx: torch.Tensor, 
         grads_out[(a.mb, a.chunk)] = dx
 
 
-def reference_grads(model: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+def reference_grads(
+    model: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]
+) -> float:
     """Single-process gradient accumulation over the same micro-batches; returns the mean loss."""
     total = 0.0
     for x, t in zip(inputs, targets):

@@ -24,7 +24,7 @@ Bubbles with a forward cost F and a backward cost B (+ W when split), no transfe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from labkit.pipeline.actions import Action, Schedule
 
@@ -57,7 +57,12 @@ def check_schedule_args(name: str, p: int, m: int, v: int = 1) -> None:
 
 
 def with_communication(
-    name: str, p: int, m: int, v: int, split: bool, orders: list[list[Action | tuple[Action, ...]]]
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    split: bool,
+    orders: Sequence[Sequence[Action | tuple[Action, ...]]],
 ) -> Schedule:
     """Add sends/receives to per-rank compute orders. An order's element is one compute action
     or a tuple run back to back (Megatron's interleaved steady state pairs a forward with a
@@ -97,7 +102,9 @@ def with_communication(
 def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     """All forwards, then all backwards (in micro-batch order, as torch's ScheduleGPipe)."""
     check_schedule_args("gpipe", p, m, v)
-    orders = [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
+    orders = [
+        [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)
+    ]
     return with_communication("gpipe", p, m, 1, False, orders)
 
 
@@ -113,7 +120,9 @@ def _one_f_one_b_order(r: int, p: int, m: int, backward: str = "B") -> list[Acti
 def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
     """PipeDream-Flush: p - r - 1 warm-up forwards on rank r, then one forward, one backward."""
     check_schedule_args("1f1b", p, m, v)
-    return with_communication("1f1b", p, m, 1, False, [_one_f_one_b_order(r, p, m) for r in range(p)])
+    return with_communication(
+        "1f1b", p, m, 1, False, [_one_f_one_b_order(r, p, m) for r in range(p)]
+    )
 
 
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
@@ -127,7 +136,9 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     alternates, each forward-backward pair followed by one batch (send both, receive both)."""
     check_schedule_args("interleaved", p, m, v)
     if v == 1:  # one chunk per rank: plain 1F1B
-        return with_communication("interleaved", p, m, 1, False, [_one_f_one_b_order(r, p, m) for r in range(p)])
+        return with_communication(
+            "interleaved", p, m, 1, False, [_one_f_one_b_order(r, p, m) for r in range(p)]
+        )
     total = m * v
 
     def unit(kind: str, k: int) -> Action:

@@ -100,9 +100,9 @@ def pair_ops(sched: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
             elif a.kind.startswith("RECV"):
                 recvs[(a.peer, r)].append(i)  # type: ignore[index]
     partner: dict[tuple[int, int], tuple[int, int]] = {}
-    for (a, b), positions in sends.items():
-        for s, q in zip(positions, recvs.get((a, b), [])):
-            partner[(a, s)], partner[(b, q)] = (b, q), (a, s)
+    for (src, dst), positions in sends.items():
+        for s, q in zip(positions, recvs.get((src, dst), [])):
+            partner[(src, s)], partner[(dst, q)] = (dst, q), (src, s)
     return partner
 
 
@@ -147,7 +147,8 @@ def replay(sched: Schedule, costs: Costs, rendezvous: bool = False) -> SimResult
                 if not all(partner.get((r, i)) in posted for i in waits):
                     break
                 done = max(
-                    [clock[r]] + [max(posted[(r, i)], posted[partner[(r, i)]]) + costs.latency for i in waits]
+                    [clock[r]]
+                    + [max(posted[(r, i)], posted[partner[(r, i)]]) + costs.latency for i in waits]
                 )
                 for i in step:
                     timeline.append(TimedAction(r, sched.ranks[r][i], clock[r], done))
@@ -157,17 +158,22 @@ def replay(sched: Schedule, costs: Costs, rendezvous: bool = False) -> SimResult
         r = stuck[0]
         step = steps[r][nxt[r]]
         i = next(
-            i for i in step
-            if (rendezvous or sched.ranks[r][i].kind.startswith("RECV")) and partner.get((r, i)) not in posted
+            i
+            for i in step
+            if (rendezvous or sched.ranks[r][i].kind.startswith("RECV"))
+            and partner.get((r, i)) not in posted
         )
         a = sched.ranks[r][i]
         if (r, i) not in partner:
-            why = f"rank {a.peer} has no matching {'receive' if a.kind.startswith('SEND') else 'send'}"
+            other = "receive" if a.kind.startswith("SEND") else "send"
+            why = f"rank {a.peer} has no matching {other}"
         else:
             q, j = partner[(r, i)]
             k = nxt[q]
             at = sched.ranks[q][steps[q][k][0]] if k < len(steps[q]) else None
-            why = f"its partner on rank {q} (position {j}) is never posted: rank {q} is stuck at {at}"
+            why = (
+                f"its partner on rank {q} (position {j}) is never posted: rank {q} is stuck at {at}"
+            )
         raise DeadlockError(
             f"deadlock: rank {r} blocks at position {i} on {a} (micro-batch {a.mb}): {why}", r, i, a
         )

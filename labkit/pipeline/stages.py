@@ -61,7 +61,9 @@ class StageModule(nn.Module):
         self.tied = model.cfg.tie_weights
         layers = stage_layers(model.cfg.n_layer, num_stages)[stage]
         if self.is_first:
-            self.wte, self.wpe, self.drop = (copy.deepcopy(x) for x in (model.wte, model.wpe, model.drop))
+            self.wte, self.wpe, self.drop = (
+                copy.deepcopy(x) for x in (model.wte, model.wpe, model.drop)
+            )
             self.block_size = model.cfg.block_size
         # keep the model's block numbering, so names match the reference's
         self.blocks = nn.ModuleDict({str(i): copy.deepcopy(model.blocks[i]) for i in layers})
@@ -87,7 +89,7 @@ def build_stages(model: GPT, rank: int, p: int, v: int = 1) -> list[StageModule]
     first = [c for c in chunks if c.is_first]
     last = [c for c in chunks if c.is_last]
     if first and last and model.cfg.tie_weights:
-        last[0].head.weight = first[0].wte.weight  # same rank: one Parameter, as in the model
+        last[0].head.weight = first[0].wte.weight  # type: ignore[assignment]  # one Parameter
     return chunks
 
 

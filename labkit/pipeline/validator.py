@@ -29,7 +29,11 @@ class ScheduleError(ValueError):
 
 
 def _fail(r: int, i: int | None, a: Action | None, why: str) -> ScheduleError:
-    where = f"rank {r}" if i is None else f"rank {r}, position {i}, {a} (micro-batch {a.mb if a else '?'})"
+    where = (
+        f"rank {r}"
+        if i is None
+        else f"rank {r}, position {i}, {a} (micro-batch {a.mb if a else '?'})"
+    )
     return ScheduleError(f"{where}: {why}", r, i, a)
 
 
@@ -38,7 +42,9 @@ def _check_rank(sched: Schedule, r: int) -> None:
     seen: set[tuple[str, int, int]] = set()
     for i, a in enumerate(sched.ranks[r]):
         if not (0 <= a.mb < sched.m and 0 <= a.chunk < sched.v):
-            raise _fail(r, i, a, f"micro-batch must be in [0, {sched.m}) and chunk in [0, {sched.v})")
+            raise _fail(
+                r, i, a, f"micro-batch must be in [0, {sched.m}) and chunk in [0, {sched.v})"
+            )
         s = sched.stage(r, a.chunk)
         key = (a.kind, a.mb, a.chunk)
         prev_rank = sched.place(s - 1)[0] if s > 0 else None
@@ -101,15 +107,20 @@ def _check_pairs(sched: Schedule) -> None:
             step = 1 if snd.kind == "SEND_F" else -1
             if rcv.kind != "RECV" + snd.kind[4:] or snd.mb != rcv.mb or s_rcv - s_snd != step:
                 raise _fail(
-                    r, i, a, f"is matched in issue order with rank {q}'s position {j}, {b}: "
-                    "a different tensor (the k-th send to a rank meets its k-th receive)"
+                    r,
+                    i,
+                    a,
+                    f"is matched in issue order with rank {q}'s position {j}, {b}: "
+                    "a different tensor (the k-th send to a rank meets its k-th receive)",
                 )
 
 
 def validate(sched: Schedule) -> Schedule:
     """Return ``sched`` if it is runnable; else raise :class:`ScheduleError` (first violation)."""
     if len(sched.ranks) != sched.p:
-        raise ScheduleError(f"schedule has {len(sched.ranks)} rank lists for p={sched.p}", 0, None, None)
+        raise ScheduleError(
+            f"schedule has {len(sched.ranks)} rank lists for p={sched.p}", 0, None, None
+        )
     for r in range(sched.p):
         _check_rank(sched, r)
     _check_pairs(sched)

@@ -11,7 +11,9 @@ __all__ = ["draw_timeline", "schedule_widget"]
 COLORS = {"F": "#4c78a8", "B": "#59a14f", "W": "#b07aa1"}
 
 
-def draw_timeline(timeline: list[TimedAction], title: str = "", ax: Any = None, unit: str = "") -> Any:
+def draw_timeline(
+    timeline: list[TimedAction], title: str = "", ax: Any = None, unit: str = ""
+) -> Any:
     """One row per rank, one bar per compute action (F blue, B green, W purple), micro-batch
     number inside; gaps are the bubble. Returns the figure."""
     import matplotlib.pyplot as plt
@@ -25,9 +27,22 @@ def draw_timeline(timeline: list[TimedAction], title: str = "", ax: Any = None, 
     for t in timeline:
         if not t.action.is_compute:
             continue
-        ax.barh(t.rank, t.end - t.start, left=t.start - t0, color=COLORS[t.action.kind], edgecolor="white")
-        ax.text((t.start + t.end) / 2 - t0, t.rank, str(t.action.mb), ha="center", va="center",
-                color="white", fontsize=7)
+        ax.barh(
+            t.rank,
+            t.end - t.start,
+            left=t.start - t0,
+            color=COLORS[t.action.kind],
+            edgecolor="white",
+        )
+        ax.text(
+            (t.start + t.end) / 2 - t0,
+            t.rank,
+            str(t.action.mb),
+            ha="center",
+            va="center",
+            color="white",
+            fontsize=7,
+        )
     ax.set_yticks(sorted({t.rank for t in timeline}))
     ax.set_yticklabels([f"rank {r}" for r in sorted({t.rank for t in timeline})])
     ax.invert_yaxis()
@@ -45,11 +60,15 @@ def schedule_widget() -> Any:
 
     from labkit.pipeline import Costs, make_schedule, simulate
 
-    name = w.Dropdown(options=["gpipe", "1f1b", "interleaved", "zb-h1"], value="1f1b", description="schedule")
+    name = w.Dropdown(
+        options=["gpipe", "1f1b", "interleaved", "zb-h1"], value="1f1b", description="schedule"
+    )
     p = w.IntSlider(4, 1, 8, description="p")
     m = w.IntSlider(8, 1, 32, description="m")
     v = w.IntSlider(2, 1, 4, description="v")
-    f, b, wt = (w.FloatSlider(1.0, min=0.1, max=3.0, step=0.1, description=d) for d in ("F", "B", "W"))
+    f, b, wt = (
+        w.FloatSlider(1.0, min=0.1, max=3.0, step=0.1, description=d) for d in ("F", "B", "W")
+    )
     lat = w.FloatSlider(0.0, min=0.0, max=2.0, step=0.05, description="latency")
     out = w.Output()
 
@@ -57,13 +76,18 @@ def schedule_widget() -> Any:
         with out:
             out.clear_output(wait=True)
             try:
-                s = make_schedule(name.value, p.value, m.value, v.value if name.value == "interleaved" else 1)
+                s = make_schedule(
+                    name.value, p.value, m.value, v.value if name.value == "interleaved" else 1
+                )
                 res = simulate(s, Costs(f.value, b.value, wt.value, lat.value))
             except ValueError as exc:
                 print(exc)
                 return
-            print(f"bubble {res.bubble_fraction:.1%} of the time, {res.bubble_over_ideal:.1%} of ideal; "
-                  f"peak stash per rank {res.peak_stash}")
+            print(
+                f"bubble {res.bubble_fraction:.1%} of the time, "
+                f"{res.bubble_over_ideal:.1%} of ideal; "
+                f"peak stash per rank {res.peak_stash}"
+            )
             fig = draw_timeline(res.timeline, f"{s.name} p={s.p} m={s.m} v={s.v}")
             plt.show(fig)
 
