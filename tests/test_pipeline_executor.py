@@ -14,10 +14,38 @@ import pytest
 import torch
 
 from labkit.pipeline import make_schedule, simulate
-from labkit.pipeline.equivalence import case_for, check_cases, run_cases, train_reference
+from labkit.pipeline.equivalence import (
+    case_for,
+    check_cases,
+    run_cases,
+    train_pipeline,
+    train_reference,
+)
 from tests.ranks import run_ranks
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+
+
+def _work(cases: list[tuple[str, int, int]], p: int) -> tuple[list[dict], dict | None]:
+    """Every case on the whole world as one pipeline; on 4 ranks, also pp = 2 inside a
+    (pp=2, dp=2) layout: two pipelines on subgroups ([0, 2] and [1, 3]), peers and the
+    embedding groups mapped to global ranks (how a 3D composition calls the executor)."""
+    import torch.distributed as dist
+
+    from labkit.parallel import ParallelDegrees, build_layout, rank_grid
+    from labkit.pipeline.executor import embedding_groups
+
+    out = run_cases(cases, p)
+    if p != 4:
+        return out, None
+    degrees = ParallelDegrees(dp=2, pp=2)
+    layout = build_layout(degrees)
+    emb = embedding_groups(rank_grid(degrees)["pp"])
+    sub = train_pipeline(make_schedule("1f1b", 2, 4), case_for(2, 4), layout.pp_group, emb=emb)
+    sub["pp_rank"] = dist.get_rank(layout.pp_group)
+    if emb is not None:
+        dist.destroy_process_group(emb)
+    return out, sub
 
 
 def _compare(p: int, results: list[list[dict]], cases: list[tuple[str, int, int]]) -> None:
@@ -63,8 +91,16 @@ def _compare(p: int, results: list[list[dict]], cases: list[tuple[str, int, int]
 def test_every_schedule_matches_gradient_accumulation(p):
     cases = [(name, m, v) for name, v in SCHEDULES for m in (4, 8)]
     check_cases(cases, p)
-    results = run_ranks(run_cases, cases, p, world_size=p, timeout=240)
-    _compare(p, results, cases)
+    both = run_ranks(_work, cases, p, world_size=p, timeout=240)
+    _compare(p, [b[0] for b in both], cases)
+    if p == 4:  # two pipelines of 2 stages on subgroups: each equals the reference
+        ref = train_reference(case_for(2, 4))
+        for r, (_, sub) in enumerate(both):
+            if sub["pp_rank"] == 1:
+                assert sub["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {r}"
+            for name, got in sub["params"][-1].items():
+                want = ref["params"][-1]["wte.weight" if name == "head.weight" else name]
+                torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-4, msg=f"rank {r} {name}")
 
 
 def test_bad_input_is_refused_before_any_process_starts():

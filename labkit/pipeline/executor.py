@@ -34,7 +34,7 @@ from labkit.parallel.layout import global_rank
 from labkit.pipeline.actions import Action, Schedule
 from labkit.pipeline.stages import StageModule, tied_pair
 
-__all__ = ["StepResult", "embedding_group", "pipeline_step"]
+__all__ = ["StepResult", "embedding_group", "embedding_groups", "pipeline_step"]
 
 
 @dataclass
@@ -45,14 +45,28 @@ class StepResult:
 
 
 def embedding_group(
-    p: int, v: int, group: dist.ProcessGroup | None = None
+    p: int, v: int = 1, group: dist.ProcessGroup | None = None
 ) -> dist.ProcessGroup | None:
-    """The group of the two ranks holding the first and last stage (None if one rank holds
-    both). Every rank of the WORLD must call it (``new_group`` is collective)."""
-    first, last = tied_pair(p, v)
-    ranks = sorted({global_rank(group, first), global_rank(group, last)})
-    g = dist.new_group(ranks) if len(ranks) == 2 else None
-    return g
+    """The group of the two ranks holding the first and last stage of the pipeline ``group``
+    (None when one rank holds both). For a job with ONE pipeline group; with several (dp or
+    tp > 1), use :func:`embedding_groups`. Every rank of the world must call it."""
+    return embedding_groups([[global_rank(group, i) for i in range(p)]], v)
+
+
+def embedding_groups(pp_ranks: list[list[int]], v: int = 1) -> dist.ProcessGroup | None:
+    """Megatron's embedding groups for every pipeline group (``rank_grid(degrees)["pp"]``:
+    global ranks, in stage order); returns this rank's (None if it holds no tied copy, or
+    one rank holds both). ``new_group`` is collective over the world, so every rank creates
+    every pair, in the same order."""
+    mine = None
+    for ranks in pp_ranks:
+        first, last = tied_pair(len(ranks), v)
+        pair = sorted({ranks[first], ranks[last]})
+        if len(pair) == 2:
+            g = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = g
+    return mine
 
 
 def _reduce_tied(chunks: list[StageModule], emb_group: dist.ProcessGroup | None) -> None:
