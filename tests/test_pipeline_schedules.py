@@ -234,3 +234,35 @@ def test_exercise_check_accepts_1f1b_and_names_what_is_wrong():
 
     with pytest.raises(CheckFailed, match="p=2, m=4: rank 0 holds 4 micro-batches"):
         review_1f1b(gpipe_order)  # valid, but GPipe's memory
+
+
+def test_split_backward_b_then_w_equals_autograd():
+    """weight_grad: B (input gradient only) then W (g^T a, LayerNorm's sums) = one backward."""
+    import torch
+    from torch import nn
+
+    from labkit.pipeline.weight_grad import WeightGradRecorder, apply_weight_grads, splittable
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 6, bias=False))
+    net[1].bias.requires_grad_(False)  # frozen: must get no gradient
+    x = torch.randn(3, 4, 6, requires_grad=True)
+    dy = torch.randn(3, 4, 6)
+    net(x).backward(dy)
+    want = {n: q.grad.clone() for n, q in net.named_parameters() if q.requires_grad}
+    want_x = x.grad.clone()
+    net.zero_grad(set_to_none=True)
+    assert splittable(net) and not splittable(nn.Embedding(3, 2))
+    rec = WeightGradRecorder(net)
+    with rec.record() as entries:
+        y = net(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert all(q.grad is None for q in net.parameters())  # B touched no weight
+    apply_weight_grads(entries)
+    rec.close()
+    torch.testing.assert_close(dx, want_x)
+    for n, q in net.named_parameters():
+        if q.requires_grad:
+            torch.testing.assert_close(q.grad, want[n], msg=n)
+        else:
+            assert q.grad is None, n

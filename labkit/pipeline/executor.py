@@ -5,11 +5,10 @@
   the m micro-batches: the summed gradients are those of the mean loss).
 * B(mb, c): backward from the output (or the loss) into the stage's input and, unless the
   schedule splits the backward, into the parameters.
-* W(mb, c), split schedules only: the weight gradient. Autograd has no public way to keep the
-  graph's input-gradient half and run only the weight half later, so B computes the input
-  gradient with ``autograd.grad(..., retain_graph=True)`` and W re-walks the stage's graph
-  into the parameters (``backward(inputs=params)``): correct, but W costs about a whole
-  backward here, where the paper's split costs nothing extra.
+* W(mb, c), split schedules only: the weight gradient (``weight_grad.py``): B runs
+  ``autograd.grad(y, x)``, which skips the weight products, while hooks keep each Linear's and
+  LayerNorm's input and output gradient; W computes ``g^T a`` and friends from them. The first
+  stage (embedding; nobody waits for its input gradient) runs its whole backward in B.
 * each run of sends/receives between two compute actions is ONE ``dist.batch_isend_irecv``,
   waited on as a whole: the NCCL-safe form the validator checks (gloo runs it too).
 
@@ -33,6 +32,7 @@ from labkit.models.gpt import lm_loss
 from labkit.parallel.layout import global_rank
 from labkit.pipeline.actions import Action, Schedule
 from labkit.pipeline.stages import StageModule, tied_pair
+from labkit.pipeline.weight_grad import WeightGradRecorder, apply_weight_grads, splittable
 
 __all__ = ["StepResult", "embedding_group", "embedding_groups", "pipeline_step"]
 
@@ -102,7 +102,12 @@ def pipeline_step(
     device = next(chunks[0].parameters()).device
     last_stage = sched.num_stages - 1
     stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, chunk) -> (x, y)
-    for_w: dict[tuple[int, int], torch.Tensor | None] = {}  # output gradient kept for W
+    # split schedules: W's inputs and output gradients, recorded during F and B
+    recorders = [
+        WeightGradRecorder(c) if sched.split_backward and not c.is_first and splittable(c) else None
+        for c in chunks
+    ]
+    recorded: dict[tuple[int, int], list] = {}
     alive: list[weakref.ref] = []
     received: dict[tuple[str, int, int], torch.Tensor] = {}
     grads_out: dict[tuple[int, int], torch.Tensor] = {}  # input gradients to send back
@@ -152,7 +157,13 @@ def pipeline_step(
                 if x is None:
                     x = local.pop(("F", a.mb, a.chunk - 1))
                 x.requires_grad_(True)
-            y = chunk(x)
+            rec = recorders[a.chunk]
+            if rec is not None:
+                with rec.record() as entries:
+                    y = chunk(x)
+                recorded[(a.mb, a.chunk)] = entries
+            else:
+                y = chunk(x)
             if s == last_stage:
                 y = lm_loss(y, targets[a.mb]) / sched.m  # type: ignore[index]
                 loss_sum += y.item() * sched.m
@@ -169,27 +180,26 @@ def pipeline_step(
                 dy = received.pop(("RECV_B", a.mb, a.chunk), None)
                 if dy is None:
                     dy = local.pop(("B", a.mb, a.chunk + 1))
-            if sched.split_backward:
-                if s > 0:  # input gradient only; keep the graph for W
-                    (dx,) = torch.autograd.grad(y, x, dy, retain_graph=True)
-                    _hand_back(sched, rank, s, a, dx, grads_out, local)
-            else:
+            grad_x: torch.Tensor | None = None
+            if recorders[a.chunk] is not None:  # B: input gradient only, weights wait for W
+                (grad_x,) = torch.autograd.grad(y, x, dy)
+            else:  # the whole backward (a stage that cannot or need not split: W is empty)
                 torch.autograd.backward(y, dy)
+                grad_x = x.grad if s > 0 else None
+            if not sched.split_backward:
                 del stash[(a.mb, a.chunk)]
-                if s > 0:
-                    grad_x = x.grad
-                    assert grad_x is not None
-                    _hand_back(sched, rank, s, a, grad_x, grads_out, local)
-            if sched.split_backward:
-                for_w[(a.mb, a.chunk)] = dy
+            if s > 0:
+                assert grad_x is not None
+                _hand_back(sched, rank, s, a, grad_x, grads_out, local)
         else:  # W
             x, y = stash.pop((a.mb, a.chunk))
-            dy = for_w.pop((a.mb, a.chunk))
-            params = [q for q in chunk.parameters() if q.requires_grad]
-            torch.autograd.backward(y, dy, inputs=params)
+            apply_weight_grads(recorded.pop((a.mb, a.chunk), []))
         del x, y
         result.timeline.append((a, start, time.perf_counter() - t0))
     flush()
+    for rec in recorders:
+        if rec is not None:
+            rec.close()
     _reduce_tied(chunks, emb_group)
     if any(c.is_last for c in chunks):
         result.loss = loss_sum / sched.m
