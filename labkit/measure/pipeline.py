@@ -3,7 +3,7 @@
 The executor records, per rank, ``(action, start, end)`` in seconds since the step's barrier.
 :func:`measured` turns all ranks' records into the simulator's ``TimedAction`` list (so the
 same drawing shows both); :func:`fitted_costs` takes the median F, B and W durations (per
-rank's whole share, i.e. times v) and the shortest transfer so the simulator can replay the same schedule at the costs
+rank's whole share, i.e. times v) and the median transfer latency so the simulator can replay the same schedule at the costs
 this machine actually showed; :func:`measured_bubble` is 1 - busy / makespan, averaged over
 ranks, the simulator's definition.
 """
@@ -14,7 +14,7 @@ import statistics
 from typing import Any
 
 from labkit.pipeline.actions import Schedule
-from labkit.pipeline.simulator import Costs, TimedAction
+from labkit.pipeline.simulator import Costs, TimedAction, pair_ops
 
 __all__ = ["fitted_costs", "measured", "measured_bubble"]
 
@@ -36,16 +36,19 @@ def measured_bubble(timeline: list[TimedAction]) -> float:
 
 
 def fitted_costs(timeline: list[TimedAction], sched: Schedule) -> Costs:
-    """Median durations of F, B and W (for a rank's whole share); without W the whole backward
-    is in B. Latency: the SHORTEST send/receive batch, the one whose data was already there
-    (a longer batch also contains waiting for the partner, which the replay must produce
-    itself, not be told)."""
+    """Median durations of F, B and W (for a rank's whole share; without W the whole backward
+    is in B), and the median transfer latency as the simulator defines it: a receive ends at
+    ``max(its post, the matching send's post) + latency``, so each receive measures
+    ``end - max(both posts)`` (waiting for the partner is the replay's job, not the cost's)."""
 
     def med(kind: str) -> float:
         d = [t.end - t.start for t in timeline if t.action.kind == kind]
         return statistics.median(d) * sched.v if d else 0.0
 
-    comm = [t.end - t.start for t in timeline if not t.action.is_compute]
-    return Costs(
-        F=med("F"), B=med("B"), W=med("W"), latency=min(comm) if comm else 0.0
-    )
+    when = {(t.rank, t.action): t for t in timeline if not t.action.is_compute}
+    lat = []
+    for (r, i), (q, j) in pair_ops(sched).items():
+        mine, theirs = when.get((r, sched.ranks[r][i])), when.get((q, sched.ranks[q][j]))
+        if mine is not None and theirs is not None and mine.action.kind.startswith("RECV"):
+            lat.append(max(0.0, mine.end - max(mine.start, theirs.start)))
+    return Costs(F=med("F"), B=med("B"), W=med("W"), latency=statistics.median(lat) if lat else 0.0)
