@@ -1,7 +1,8 @@
 """Pipeline parallelism: schedules as data, a validator, a simulator, stages and an executor.
 
 Read in this order: ``actions`` (the record), ``schedules`` (GPipe, 1F1B, interleaved 1F1B,
-ZB-H1), ``validator``, ``simulator``, ``stages`` (cut a GPT), ``executor`` (run on ranks).
+ZB-H1), ``validator``, ``simulator``, ``stages`` (cut a GPT), ``weight_grad`` (the B/W
+split), ``executor`` (run on ranks), ``equivalence`` (the proof harness).
 """
 
 from labkit.pipeline.actions import Action, Schedule

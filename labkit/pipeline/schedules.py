@@ -3,8 +3,11 @@
 Each generator decides only the ORDER of compute actions on every rank;
 :func:`with_communication` then adds the sends and receives by one rule (the batch between
 two compute actions carries the previous action's output and the next action's input), which
-is Megatron's ``send_forward_recv_backward`` pattern. The validator proves the result cannot
-deadlock; the tests run it for a grid of (p, m, v).
+is Megatron's ``send_forward_recv_backward`` pattern. Interleaved 1F1B's steady state runs a
+forward and a backward back to back and then ONE batch for both (Megatron's
+``send_forward_backward_recv_forward_backward``): with a batch after every action, a send
+between chunks waits on a rank that is itself waiting, and the validator reports the
+deadlock. It proves each generated schedule deadlock-free; the tests run a grid of (p, m, v).
 
 Bubbles with a forward cost F and a backward cost B (+ W when split), no transfer latency:
 
@@ -19,7 +22,8 @@ Bubbles with a forward cost F and a backward cost B (+ W when split), no transfe
 * ZB-H1 (Qi et al. 2023): B is split into the input gradient B (on the critical path) and the
   weight gradient W (not: nothing downstream waits on it). W's are delayed to fill the
   cool-down bubble: bubble (p - 1)(F + B - W) instead of 1F1B's (p - 1)(F + B + W), a third of
-  it when F = B = W, with 1F1B's memory (at most p - r in flight on rank r).
+  it when F = B = W, within 1F1B's peak memory (at most p micro-batches in flight on any
+  rank; 1F1B's rank 0 holds p). The saving needs m >= p.
 """
 
 from __future__ import annotations
@@ -159,8 +163,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
 def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     """ZB-H1: 1F1B's order of F and B (B = input gradient), with each W placed by a unit-cost
     (F = B = W) pass: a rank runs its next F/B as soon as its input has arrived and otherwise
-    fills the wait with its oldest pending W. A rank never holds more than p - r micro-batches
-    between F and W (1F1B's memory), and drains its last W's in the cool-down."""
+    fills the wait with its oldest pending W. A rank never holds more than p micro-batches
+    between F and W (1F1B's peak, on its rank 0), and drains its last W's in the cool-down."""
     check_schedule_args("zb-h1", p, m, v)
     fb = [_one_f_one_b_order(r, p, m) for r in range(p)]
     done: dict[tuple[str, int, int], int] = {}  # (kind, mb, rank) -> finish time
