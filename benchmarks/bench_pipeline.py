@@ -40,6 +40,7 @@ def job(cfg: GPTConfig, p: int, m: int, mb: int, seq: int, steps: int, warmup: i
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, cfg.vocab_size, (m * mb, seq + 1), generator=g)
     x, y = data[:, :-1], data[:, 1:]  # (m * mb, seq) each
+    xs, ys = list(x.chunk(m)), list(y.chunk(m))  # m micro-batches of (mb, seq)
     ours_chunks = build_stages(model, rank, p)
     torch_chunk = build_stages(model, rank, p)[0]
     shape = (mb, seq, cfg.n_embd)
@@ -51,7 +52,7 @@ def job(cfg: GPTConfig, p: int, m: int, mb: int, seq: int, steps: int, warmup: i
         def step() -> None:
             for q in ours_chunks[0].parameters():
                 q.grad = None
-            res = pipeline_step(sched, ours_chunks, list(x.chunk(m)), list(y.chunk(m)), shape)
+            res = pipeline_step(sched, ours_chunks, xs, ys, shape, barrier=False)
             out["losses"][f"ours {name}"] = res.loss
 
         return step

@@ -5,7 +5,9 @@ v = 2, ZB-H1) at m = 4 and 8 for 2 SGD-momentum steps, with tied embeddings (fir
 stage on different ranks: Megatron's embedding group) and a frozen parameter (wpe). Each
 rank's losses, first-step gradients and parameters after every step must equal the reference's; the
 measured peak stash must equal the simulator's; the measured timeline must hold every compute
-action of the rank's list, in order, without overlap.
+action of the rank's list, in order, without overlap. ZB-H1 runs the real B/W split
+(``weight_grad.py``). On 4 ranks the same launch also runs two 2-stage pipelines on the
+subgroups of a (pp=2, dp=2) layout, the way a 3D composition calls the executor.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ def pipeline_step(
     group: dist.ProcessGroup | None = None,
     emb_group: dist.ProcessGroup | None = None,
     dtype: torch.dtype = torch.float32,
+    barrier: bool = True,
 ) -> StepResult:
     """One training step's forward and backward on this pipeline rank (gradients accumulate in
     ``.grad``; the caller steps the optimizer). ``inputs``/``targets``: the m micro-batches
@@ -115,7 +116,8 @@ def pipeline_step(
     batch: list[Action] = []
     result = StepResult(loss=None)
     loss_sum = 0.0
-    dist.barrier(group=group)
+    if barrier:  # align the ranks' clocks for the timeline (off: nothing waits for it)
+        dist.barrier(group=group)
     t0 = time.perf_counter()
 
     def flush() -> None:
