@@ -1,0 +1,144 @@
+"""The proof harness: the same GPT and micro-batches, trained by a pipeline schedule on ranks
+and by single-process gradient accumulation; both return what the tests compare.
+
+The spec: after every optimizer step, each pipeline rank's parameters equal the reference's
+parameters of the same name (the tied head copy ``head.weight`` equals the reference's
+``wte.weight``), and the first step's gradients and every step's loss agree, up to float
+summation order. ``wpe.weight`` is frozen (``requires_grad=False``): it must never move and
+must never get a gradient, on any rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from labkit.models.gpt import GPT, GPTConfig
+from labkit.pipeline.actions import Schedule
+from labkit.pipeline.executor import embedding_group, pipeline_step, reference_grads
+from labkit.pipeline.stages import build_stages
+
+__all__ = ["PipeCase", "micro_batches", "train_pipeline", "train_reference"]
+
+FROZEN = ("wpe.weight",)
+
+
+@dataclass(frozen=True)
+class PipeCase:
+    """One run: the model, ``m`` micro-batches of ``batch`` sequences of ``seq`` tokens."""
+
+    cfg: GPTConfig = GPTConfig(vocab_size=65, block_size=8, n_layer=4, n_head=2, n_embd=16)
+    m: int = 4
+    batch: int = 2
+    seq: int = 8
+    steps: int = 2
+    lr: float = 0.1
+    seed: int = 0
+
+
+def micro_batches(case: PipeCase, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Token ids and next-token targets of step ``step``: m tensors of (batch, seq) each."""
+    g = torch.Generator().manual_seed(1000 * case.seed + step)
+    data = torch.randint(0, case.cfg.vocab_size, (case.m, case.batch, case.seq + 1), generator=g)
+    return list(data[:, :, :-1]), list(data[:, :, 1:])
+
+
+def _model(case: PipeCase) -> GPT:
+    torch.manual_seed(case.seed)
+    model = GPT(case.cfg)
+    for name, prm in model.named_parameters():
+        prm.requires_grad_(name not in FROZEN)
+    return model
+
+
+def _snapshot(named: Any, grads: bool) -> dict[str, torch.Tensor | None]:
+    out = {}
+    for name, prm in named:
+        t = prm.grad if grads else prm
+        out[name] = None if t is None else t.detach().clone()
+    return out
+
+
+def train_reference(case: PipeCase) -> dict[str, Any]:
+    """Single process: accumulate the m micro-batches' gradients, one SGD step, ``steps`` times."""
+    model = _model(case)
+    opt = torch.optim.SGD(
+        [q for q in model.parameters() if q.requires_grad], lr=case.lr, momentum=0.9
+    )
+    losses, grads, params = [], {}, []
+    for step in range(case.steps):
+        opt.zero_grad(set_to_none=True)
+        losses.append(reference_grads(model, *micro_batches(case, step)))
+        if step == 0:
+            grads = _snapshot(model.named_parameters(), grads=True)
+        opt.step()
+        params.append(_snapshot(model.named_parameters(), grads=False))
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def train_pipeline(
+    sched: Schedule, case: PipeCase, group: dist.ProcessGroup | None = None, emb: Any = "new"
+) -> dict[str, Any]:
+    """On every pipeline rank (the same ``sched`` everywhere): this rank's chunks trained for
+    ``case.steps`` steps. Returns losses (last-stage rank), first-step gradients and the
+    parameters after every step by full-model name, the last step's measured timeline and
+    peak stash. ``emb``: the embedding group (:func:`embedding_group`), made here if "new"."""
+    rank = dist.get_rank(group)
+    chunks = build_stages(_model(case), rank, sched.p, sched.v)
+    named = [(n, q) for c in chunks for n, q in c.named_parameters()]
+    opt = torch.optim.SGD([q for _, q in named if q.requires_grad], lr=case.lr, momentum=0.9)
+    own = emb == "new"
+    if own:
+        emb = embedding_group(sched.p, sched.v, group)
+    shape = (case.batch, case.seq, case.cfg.n_embd)
+    losses, grads, params, res = [], {}, [], None
+    for step in range(case.steps):
+        opt.zero_grad(set_to_none=True)
+        inputs, targets = micro_batches(case, step)
+        res = pipeline_step(sched, chunks, inputs, targets, shape, group=group, emb_group=emb)
+        losses.append(res.loss)
+        if step == 0:
+            grads = _snapshot(named, grads=True)
+        opt.step()
+        params.append(_snapshot(named, grads=False))
+    if own and emb is not None:
+        dist.destroy_process_group(emb)
+    assert res is not None
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "timeline": res.timeline,
+        "peak_stash": res.peak_stash,
+    }
+
+
+def case_for(p: int, m: int, **changes: Any) -> PipeCase:
+    """The test model for p pipeline ranks: 2p layers, so interleaving with v = 2 divides."""
+    base = PipeCase()
+    return PipeCase(cfg=base.cfg.with_(n_layer=2 * p), m=m, **changes)
+
+
+def run_cases(cases: list[tuple[str, int, int]], p: int) -> list[dict[str, Any]]:
+    """On each of p ranks: every (schedule, m, v) of ``cases`` in turn (one launch for all)."""
+    from labkit.pipeline.schedules import make_schedule
+
+    emb = embedding_group(p, 1)  # every schedule here puts the last stage on rank p - 1
+    out = [
+        train_pipeline(make_schedule(name, p, m, v), case_for(p, m), emb=emb)
+        for name, m, v in cases
+    ]
+    if emb is not None:
+        dist.destroy_process_group(emb)
+    return out
+
+
+def check_cases(cases: list[tuple[str, int, int]], p: int) -> None:
+    """Every case's model cut and schedule, checked before any process starts."""
+    from labkit.pipeline.stages import check_pipeline
+
+    for name, m, v in cases:
+        check_pipeline(case_for(p, m).cfg.n_layer, p, m, name, v)

@@ -1,0 +1,98 @@
+"""Cut a labkit GPT into pipeline stages (virtual stages when interleaving), as modules.
+
+Virtual stage ``s`` of ``S = p * v`` holds blocks ``[s * L / S, (s + 1) * L / S)``; stage 0
+also holds the embedding (``wte``, ``wpe``, ``drop``), stage ``S - 1`` the head (``ln_f``,
+``head``). Rank ``r`` holds stages ``r, r + p, ..., r + (v - 1) p`` (Megatron's interleaving).
+
+Tied embeddings (Megatron's "embedding group", Shoeybi et al. 2019): the head reuses ``wte``.
+When the first and last stage sit on different ranks, the last stage gets its OWN copy of
+``wte`` (same values); each copy accumulates its use's gradient, and the two are all-reduced
+(summed) between those two ranks before the optimizer step, so both hold the full gradient of
+the shared weight and stay equal after identical updates. On one rank they are one Parameter.
+
+Parameter names stay those of the full model (``blocks.3.attn.q.weight``), so a stage's
+gradients compare one to one with a single-process reference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from labkit.models.gpt import GPT
+
+__all__ = ["StageModule", "build_stages", "check_pipeline", "stage_layers", "tied_pair"]
+
+
+def check_pipeline(n_layer: int, p: int, m: int, schedule: str = "1f1b", v: int = 1) -> None:
+    """Raise ``ValueError`` naming the numbers when the model cannot be cut or scheduled so.
+    Call before any process starts."""
+    from labkit.pipeline.schedules import check_schedule_args
+
+    check_schedule_args(schedule, p, m, v)
+    stages = p * v
+    if stages > n_layer:
+        raise ValueError(
+            f"{stages} pipeline stages (p={p} x v={v}) but only n_layer={n_layer} layers: "
+            "every stage needs at least one layer"
+        )
+    if n_layer % stages:
+        raise ValueError(
+            f"n_layer={n_layer} is not divisible by p={p} x v={v} = {stages} stages: "
+            "each stage must hold the same number of layers"
+        )
+
+
+def stage_layers(n_layer: int, num_stages: int) -> list[range]:
+    """Block indices of each virtual stage: equal consecutive slices of ``n_layer // S``."""
+    per = n_layer // num_stages
+    return [range(s * per, (s + 1) * per) for s in range(num_stages)]
+
+
+class StageModule(nn.Module):
+    """One virtual stage: optional embedding, some blocks, optional head. First stage maps
+    tokens (B, T) -> (B, T, d); middle (B, T, d) -> (B, T, d); last (B, T, d) -> logits."""
+
+    def __init__(self, model: GPT, stage: int, num_stages: int):
+        super().__init__()
+        self.stage, self.is_first, self.is_last = stage, stage == 0, stage == num_stages - 1
+        self.tied = model.cfg.tie_weights
+        layers = stage_layers(model.cfg.n_layer, num_stages)[stage]
+        if self.is_first:
+            self.wte, self.wpe, self.drop = (
+                copy.deepcopy(x) for x in (model.wte, model.wpe, model.drop)
+            )
+            self.block_size = model.cfg.block_size
+        # keep the model's block numbering, so names match the reference's
+        self.blocks = nn.ModuleDict({str(i): copy.deepcopy(model.blocks[i]) for i in layers})
+        if self.is_last:
+            self.ln_f, self.head = copy.deepcopy(model.ln_f), copy.deepcopy(model.head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T) -> (B, T, d)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.is_last:
+            x = self.head(self.ln_f(x))  # (B, T, d) -> (B, T, vocab)
+        return x
+
+
+def build_stages(model: GPT, rank: int, p: int, v: int = 1) -> list[StageModule]:
+    """Rank ``rank``'s chunks: ``[stage(rank, 0), ..., stage(rank, v - 1)]``. Every rank
+    builds the same full ``model`` (same seed) and keeps only its share."""
+    num = p * v
+    chunks = [StageModule(model, c * p + rank, num) for c in range(v)]
+    first = [c for c in chunks if c.is_first]
+    last = [c for c in chunks if c.is_last]
+    if first and last and model.cfg.tie_weights:
+        last[0].head.weight = first[0].wte.weight  # type: ignore[assignment]  # one Parameter
+    return chunks
+
+
+def tied_pair(p: int, v: int) -> tuple[int, int]:
+    """Pipeline ranks holding the first and last stage (the embedding group)."""
+    return 0, (p * v - 1) % p
