@@ -33,11 +33,11 @@ observed in the first iteration, and can make ``.grad`` a view into the bucket t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 
-from labkit.collectives.comm import Comm
 from labkit.ddp.base import DataParallel, Pending
 from labkit.ddp.bucketed import bucket_cap_bytes, make_buckets
 
@@ -45,17 +45,10 @@ from labkit.ddp.bucketed import bucket_cap_bytes, make_buckets
 class OverlappedDDP(DataParallel):
     """Buckets of ``bucket_cap_mb`` whose all-reduces start from gradient hooks, in order."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        bucket_cap_mb: float = 1.0,
-        group: ProcessGroup | None = None,
-        comm: Comm | None = None,
-        record_events: bool = False,
-    ):
-        cap = bucket_cap_bytes(bucket_cap_mb)
-        super().__init__(module, group=group, comm=comm, record_events=record_events)
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 1.0, **options: Any):
+        """``options``: ``group``, ``comm``, ``record_events``, as for :class:`DataParallel`."""
+        cap = bucket_cap_bytes(bucket_cap_mb)  # checked before the broadcast communicates
+        super().__init__(module, **options)
         self.bucket_cap_mb = bucket_cap_mb
         self.buckets = make_buckets(self.params, cap)  # the same buckets as BucketedDDP's
         self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
