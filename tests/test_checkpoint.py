@@ -20,7 +20,7 @@ from labkit.checkpoint import (
     save_checkpoint,
     shard_range,
 )
-from labkit.checkpoint.drill import DrillConfig, run_drill
+from labkit.labs.drill import DrillConfig, run_drill
 from labkit.launch import LaunchError
 
 RESHARD = DrillConfig(steps=6, ckpt_every=2, keep=3, reshardable=True)
@@ -186,3 +186,38 @@ def test_kill_a_rank_and_resume_bit_identically(tmp_path):
             assert torch.equal(out[rank]["params"], ref[rank]["params"]), f"{name}: rank {rank}"
             assert out[rank]["scaler"] == ref[rank]["scaler"]
             assert out[rank]["losses"] == ref[rank]["losses"][start:]
+
+
+def test_crash_between_the_renames_of_a_resave_keeps_the_good_checkpoint(tmp_path, monkeypatch):
+    """Re-saving step 2 displaces the committed step_2 before the new one is renamed in. A crash
+    between the two renames must leave step 2 loadable, and the next save must not prune it."""
+    import os
+
+    from labkit.checkpoint import sharded
+
+    good, newer = {"w": torch.full((5,), 2.0)}, {"w": torch.full((5,), 20.0)}
+    save_checkpoint(tmp_path, 1, {"w": torch.ones(5)}, keep=2)
+    save_checkpoint(tmp_path, 2, good, keep=2)
+    real_rename = os.rename
+
+    def crash_on_commit(src, dst):  # the displacing rename goes through, the commit does not
+        if Path(src).name.startswith(".tmp-"):
+            raise KeyboardInterrupt("power cut between the renames")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(sharded.os, "rename", crash_on_commit)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, newer, keep=2)
+    monkeypatch.setattr(sharded.os, "rename", real_rename)
+    assert not (tmp_path / "step_00000002").exists()  # the crash window really was hit
+    assert latest_step(tmp_path) == 2
+    assert torch.equal(load_checkpoint(tmp_path).state()["w"], good["w"])
+    assert torch.equal(load_checkpoint(tmp_path, 2).state()["w"], good["w"])
+    # the next save (keep=2) restores step 2 before pruning: steps 2 and 3 survive, step 1 goes
+    save_checkpoint(tmp_path, 3, {"w": torch.full((5,), 3.0)}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert torch.equal(load_checkpoint(tmp_path, 2).state()["w"], good["w"])
+    # and a re-save that completes replaces step 2 and leaves no displaced copy behind
+    save_checkpoint(tmp_path, 2, newer, keep=3)
+    assert torch.equal(load_checkpoint(tmp_path, 2).state()["w"], newer["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]

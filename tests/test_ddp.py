@@ -14,11 +14,11 @@ from labkit.checks.core import CheckFailed
 from labkit.checks.ddp import check_overlapped_ddp
 from labkit.ddp import VARIANTS, BucketedDDP, DataParallel, OverlappedDDP, partition_buckets
 from labkit.ddp import equivalence as eq
-from labkit.launch import launch
+from tests.ranks import run_ranks
 
 STEPS = 4
 ACCUMS = (1, 3)
-OURS = ("naive", "flat", "bucketed", "overlapped", "overlapped_custom_fn", "overlapped_one_bucket")
+OURS = ("naive", "flat", "bucketed", "overlapped", "overlapped_ring", "overlapped_one_bucket")
 TINY_BUCKET_MB = 0.0005  # ~520 bytes: AwkwardNet (3 KB of gradients) splits into several buckets
 
 
@@ -27,14 +27,15 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from labkit.ddp import VARIANTS, FlatDDP, torch_all_reduce
+    from labkit.collectives import Comm
+    from labkit.ddp import VARIANTS, FlatDDP
     from labkit.ddp import equivalence as eq
 
-    calls = {"n": 0}
+    ring = {}  # the Comm of the last "overlapped_ring" model: its counters say it was used
 
-    def counting_all_reduce(tensor, group):
-        calls["n"] += 1
-        torch_all_reduce(tensor, group)
+    def with_ring(m):
+        ring["comm"] = Comm(None, impl="ring")
+        return VARIANTS["overlapped"](m, comm=ring["comm"], **small)
 
     small = {"bucket_cap_mb": TINY_BUCKET_MB}
     wraps = {
@@ -42,7 +43,7 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
         "flat": lambda m: VARIANTS["flat"](m),
         "bucketed": lambda m: VARIANTS["bucketed"](m, **small),
         "overlapped": lambda m: VARIANTS["overlapped"](m, **small),
-        "overlapped_custom_fn": lambda m: VARIANTS["overlapped"](m, allreduce_fn=counting_all_reduce, **small),
+        "overlapped_ring": with_ring,
         "overlapped_one_bucket": lambda m: VARIANTS["overlapped"](m, bucket_cap_mb=25.0),
         "torch_ddp": lambda m: DDP(m, find_unused_parameters=True),
     }
@@ -69,10 +70,9 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
     out: dict = {"runs": {}}
     for accum in accums:
         for name, wrap in wraps.items():
-            calls["n"] = 0
             out["runs"][(name, accum)] = eq.train_distributed(wrap, steps=STEPS, accum=accum)
-            if name == "overlapped_custom_fn":
-                out[("custom_fn_calls", accum)] = calls["n"]
+            if name == "overlapped_ring":
+                out[("ring_calls", accum)] = ring["comm"].calls["all_reduce"]
 
     # group=: ranks 1 and 2 of 3 train as their own data-parallel group; rank 0 sits it out.
     if dist.get_world_size() == 3:
@@ -81,6 +81,15 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
             for name in ("naive", "overlapped"):
                 wrap = lambda m, c=VARIANTS[name]: c(m, group=sub)  # noqa: E731
                 out[("subgroup", name)] = eq.train_distributed(wrap, steps=STEPS, accum=3, group=sub)[0]
+            ring_on_sub = lambda m: VARIANTS["overlapped"](m, comm=Comm(sub, impl="ring"))  # noqa: E731
+            out[("subgroup", "overlapped_ring")] = eq.train_distributed(
+                ring_on_sub, steps=STEPS, accum=3, group=sub
+            )[0]
+            try:  # a Comm over WORLD with group=sub: refused before any broadcast
+                VARIANTS["overlapped"](eq.AwkwardNet(), group=sub, comm=Comm(None))
+                out["comm_group_mismatch"] = "no error"
+            except ValueError as exc:
+                out["comm_group_mismatch"] = str(exc)
 
     # One recorded step of each bucketed flavour, for the timeline invariants.
     for name in ("bucketed", "overlapped"):
@@ -109,7 +118,7 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
 def world(request):
     w = request.param
-    results = launch(_rank_job, ACCUMS, w == 2, world_size=w, timeout=120, quiet=True)
+    results = run_ranks(_rank_job, ACCUMS, w == 2, world_size=w, timeout=120)
     refs = {a: eq.train_reference(STEPS, a) for a in ACCUMS}
     return w, results, refs
 
@@ -153,9 +162,7 @@ def test_variant_matches_torch_ddp(world, variant):
 @pytest.mark.timeout(150)
 def test_frozen_parameter_never_moves_and_tied_weight_reduced_once(world):
     w, results, refs = world
-    initial = eq.train_reference(0, 1)  # no steps: nothing to snapshot, so rebuild below
-    assert initial == []
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the reference's seed: rank 0's frozen weight, broadcast to all
     frozen0 = eq.AwkwardNet().frozen.weight.detach()
     for variant in OURS:
         for accum in ACCUMS:
@@ -163,7 +170,6 @@ def test_frozen_parameter_never_moves_and_tied_weight_reduced_once(world):
             assert all(torch.equal(s["frozen.weight"], frozen0) for s in snaps), variant
             # tied.weight is one Parameter used twice: counted once, frozen.weight not at all
             assert reduced == [eq.trainable_numel()] * STEPS, (variant, reduced)
-    assert "tied.weight" in refs[1][0] and "frozen.weight" in refs[1][0]
 
 
 @pytest.mark.timeout(150)
@@ -173,18 +179,20 @@ def test_explicit_subgroup_averages_over_its_members_only(world):
         pytest.skip("the subgroup case runs on 3 ranks")
     assert ("subgroup", "naive") not in results[0]
     for rank in (1, 2):
-        for name in ("naive", "overlapped"):
+        for name in ("naive", "overlapped", "overlapped_ring"):
             miss = eq.first_divergence(refs[3], results[rank][("subgroup", name)])
             assert miss is None, f"{name} on group [1, 2], rank {rank}: {miss}"
+        mismatch = results[rank]["comm_group_mismatch"]
+        assert "comm runs over group" in mismatch and "group=" in mismatch, mismatch
 
 
 @pytest.mark.timeout(150)
-def test_custom_allreduce_fn_is_the_one_used(world):
+def test_the_comm_passed_in_is_the_one_used(world):
     _, results, _ = world
     buckets = results[0][("buckets", "overlapped")]
     assert buckets >= 3
-    for accum in ACCUMS:
-        assert results[0][("custom_fn_calls", accum)] == buckets * STEPS
+    for accum in ACCUMS:  # one ring all-reduce per bucket per optimizer step, none in no_sync
+        assert results[0][("ring_calls", accum)] == buckets * STEPS
 
 
 @pytest.mark.timeout(150)
@@ -228,14 +236,25 @@ def test_partition_buckets_keeps_order_and_cap():
 
 
 def test_bad_arguments_fail_before_any_communication():
-    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got -1"):
-        BucketedDDP(eq.AwkwardNet(), bucket_cap_mb=-1)
-    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
-        DataParallel(eq.AwkwardNet())
-    assert set(VARIANTS) == {"naive", "flat", "bucketed", "overlapped"}
+    # no process group exists here: each error must come before the first collective
+    for cls in (BucketedDDP, OverlappedDDP):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got -1"):
+            cls(eq.AwkwardNet(), bucket_cap_mb=-1)
+    for cls in (DataParallel, *VARIANTS.values()):
+        with pytest.raises(RuntimeError, match=f"{cls.__name__} needs torch.distributed initialised"):
+            cls(eq.AwkwardNet())
 
 
 # ---- the exercise check -------------------------------------------------------------------
+
+
+class _BlockingHooks(OverlappedDDP):
+    """A plausible learner shortcut: start the bucket's all-reduce in the hook, then wait for it
+    right there. Numbers right, started during backward, but backward stalls on every bucket."""
+
+    def _launch(self, k):
+        super()._launch(k)
+        self.inflight[-1][2].wait()
 
 
 class _ZerosForUnused(OverlappedDDP):
@@ -249,7 +268,7 @@ class _ZerosForUnused(OverlappedDDP):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_exercise_check_passes_ours_and_names_the_first_divergence(capsys):
     check_overlapped_ddp(OverlappedDDP)
     assert "PASSED" in capsys.readouterr().out
@@ -257,5 +276,7 @@ def test_exercise_check_passes_ours_and_names_the_first_divergence(capsys):
         check_overlapped_ddp(_ZerosForUnused)
     with pytest.raises(CheckFailed, match="nothing overlaps"):
         check_overlapped_ddp(BucketedDDP)  # right numbers, all sent after backward
+    with pytest.raises(CheckFailed, match=r"backward stalls: bucket 0's all-reduce was waited"):
+        check_overlapped_ddp(_BlockingHooks)  # right numbers, started in the hook, but blocking
     with pytest.raises(CheckFailed, match="subclass of labkit.ddp.BucketedDDP"):
         check_overlapped_ddp(torch.nn.Linear)

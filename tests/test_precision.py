@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.launch import launch
 from labkit.precision import DynamicLossScaler, MixedPrecisionTrainer, update_scale
+from tests.ranks import run_ranks
 
 
 def _tiny(seed: int = 0) -> nn.Module:
@@ -244,7 +244,7 @@ def test_found_inf_is_agreed_across_ranks():
             out[sync] = (took, s.get_scale(), model.weight.detach().clone())
         return out
 
-    r0, r1 = launch(body, world_size=2, quiet=True, timeout=60)
+    r0, r1 = run_ranks(body, world_size=2, timeout=60)
     assert r0[True][:2] == r1[True][:2] == (False, 4.0)
     assert torch.equal(r0[True][2], r1[True][2])
     assert r0[False][:2] == (True, 8.0) and r1[False][:2] == (False, 4.0)

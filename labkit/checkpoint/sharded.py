@@ -15,7 +15,7 @@ own new ZeRO range -- by intersecting ranges recorded in the metadata: reshardin
 function of the metadata, not of how many ranks wrote it. Per-rank state (RNG streams) does
 *not* reshard: 4 generators cannot become 3. :meth:`Checkpoint.rank_state` returns None
 when the world size changed; a run that must continue identically on a different world
-size derives its randomness from (seed, step, sample) instead (see :mod:`.drill`).
+size derives its randomness from (seed, step, sample) instead (see :mod:`labkit.labs.drill`).
 
 Atomicity (a crash at any instant never destroys the previous good checkpoint):
 
@@ -25,8 +25,15 @@ Atomicity (a crash at any instant never destroys the previous good checkpoint):
    ``root`` so the rename itself is durable; then drops all but the newest ``keep`` checkpoints
    (renamed to ``.trash-*`` first, so a half-deleted folder never looks like a checkpoint).
 
-Readers only ever look at ``step_*`` folders, so a crash before step 3 leaves a ``.tmp-*``
-folder that is ignored (and cleaned by the next save). Loading checks every file's size and
+Re-saving a step that already exists (after resuming from an older one) needs two renames,
+since a folder cannot atomically replace a non-empty one: the old ``step_N`` becomes
+``.prev-step_N``, then ``.tmp-step_N`` becomes ``step_N``, then ``.prev-step_N`` is deleted.
+A crash between the two renames leaves only ``.prev-step_N``: readers treat it as step ``N``
+whenever ``step_N`` is absent, and the next save renames it back before pruning, so no
+instant is without the last good checkpoint.
+
+Readers only ever look at ``step_*`` (and orphaned ``.prev-step_*``) folders, so a crash before
+step 3 leaves a ``.tmp-*`` folder that is ignored (and deleted by the next save's prune). Loading checks every file's size and
 sha256 before unpickling, and unpickles with ``weights_only=True`` (tensors and plain
 containers only, never arbitrary code). Every reader hashes every file, which is fine at this
 kit's sizes; at scale each rank would verify only the shards it reads. Assumes a filesystem
@@ -54,6 +61,7 @@ __all__ = ["Checkpoint", "CheckpointError", "latest_step", "load_checkpoint", "s
 
 FORMAT = "labkit-sharded-v1"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_PREV = ".prev-"  # a committed step displaced by a re-save of the same step, until it commits
 _TENSOR = "__labkit_tensor__"
 
 
@@ -120,13 +128,33 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def _committed(root: Path) -> dict[int, Path]:
+    """Every committed step under ``root`` and its folder: ``step_N``, or ``.prev-step_N`` when
+    a re-save of step N crashed between its two renames (``step_N`` wins when both exist)."""
+    found: dict[int, Path] = {}
+    for p in sorted(root.iterdir(), key=lambda p: not p.name.startswith(_PREV)):  # .prev- first
+        m = _STEP_DIR.match(p.name.removeprefix(_PREV))
+        if m and (p / "metadata.json").is_file():
+            found[int(m[1])] = p  # step_N, listed after .prev-step_N, overrides it
+    return found
+
+
 def latest_step(root: str | Path) -> int | None:
     """The newest *committed* checkpoint step under ``root`` (temp folders are ignored)."""
     root = Path(root)
-    if not root.is_dir():
-        return None
-    steps = [int(m[1]) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "metadata.json").is_file()]
-    return max(steps, default=None)
+    return max(_committed(root), default=None) if root.is_dir() else None
+
+
+def _restore_displaced(root: Path) -> None:
+    """Undo a re-save that crashed between its renames: ``.prev-step_N`` back to ``step_N``
+    when ``step_N`` is missing; otherwise the re-save committed and the old copy is debris."""
+    for prev in root.glob(f"{_PREV}step_*"):
+        final = root / prev.name.removeprefix(_PREV)
+        if final.exists():
+            shutil.rmtree(prev, ignore_errors=True)
+        else:
+            os.rename(prev, final)
+    _fsync_dir(root)
 
 
 # ------------------------------------------------------------------ save
@@ -157,6 +185,7 @@ def save_checkpoint(
 
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        _restore_displaced(root)  # before pruning can count (or delete) anything
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of this step
         tmp.mkdir()
     if distributed:
@@ -191,10 +220,12 @@ def save_checkpoint(
                 "files": files, "tensors": table}  # fmt: skip
         _write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
         _fsync_dir(tmp)
+        prev = root / f"{_PREV}{final.name}"
         if final.exists():  # re-saving a step (after resuming from an older one)
-            os.rename(final, root / f".trash-{final.name}-{time.time_ns()}")
+            os.rename(final, prev)  # still readable as step N until the commit below
         os.rename(tmp, final)  # the commit
         _fsync_dir(root)
+        shutil.rmtree(prev, ignore_errors=True)
         _prune(root, keep)
     if distributed:
         dist.barrier(group)  # nobody moves on until the checkpoint is committed
@@ -206,7 +237,7 @@ def _prune(root: Path, keep: int) -> None:
     for old in committed[:-keep]:
         trash = root / f".trash-{old.name}-{time.time_ns()}"
         os.rename(old, trash)
-    for debris in root.glob(".trash-*"):
+    for debris in [*root.glob(".trash-*"), *root.glob(".tmp-*")]:  # .tmp-*: crashed saves
         shutil.rmtree(debris, ignore_errors=True)
 
 
@@ -290,6 +321,8 @@ def load_checkpoint(root: str | Path, step: int | None = None) -> Checkpoint:
         if step is None:
             raise CheckpointError(f"no committed checkpoint (step_*/metadata.json) under {root}")
     path = _step_dir(root, step)
+    if not path.is_dir():  # a re-save of this step may have crashed between its renames
+        path = path.with_name(_PREV + path.name)
     if not path.is_dir():
-        raise CheckpointError(f"no checkpoint folder {path}")
+        raise CheckpointError(f"no checkpoint folder {_step_dir(root, step)}")
     return Checkpoint(path)

@@ -1,12 +1,14 @@
 """Data parallelism from scratch: four variants of DDP behind one interface.
 
-Read in this order: :mod:`~labkit.ddp.base` (the invariant and the shared bookkeeping),
-:mod:`~labkit.ddp.naive`, :mod:`~labkit.ddp.flat`, :mod:`~labkit.ddp.bucketed`,
-:mod:`~labkit.ddp.overlapped`. :mod:`~labkit.ddp.equivalence` is the harness that proves
-each one equals single-process training.
+Read in this order: :mod:`~labkit.ddp.base` (the invariant and the shared pieces: wrapper,
+gradient buffer, clock), :mod:`~labkit.ddp.naive`, :mod:`~labkit.ddp.flat`,
+:mod:`~labkit.ddp.bucketed`, :mod:`~labkit.ddp.overlapped`; each variant reads alone.
+:mod:`~labkit.ddp.equivalence` is the harness that proves each one equals single-process
+training. Every variant communicates through a :class:`labkit.collectives.Comm`
+(``comm=Comm(group, impl="ring")`` swaps in labkit's own ring).
 """
 
-from labkit.ddp.base import AllReduceFn, DataParallel, Event, torch_all_reduce
+from labkit.ddp.base import DataParallel, Event
 from labkit.ddp.bucketed import BucketedDDP, partition_buckets
 from labkit.ddp.flat import FlatDDP
 from labkit.ddp.naive import NaiveDDP
@@ -21,7 +23,6 @@ VARIANTS: dict[str, type[DataParallel]] = {
 
 __all__ = [
     "VARIANTS",
-    "AllReduceFn",
     "BucketedDDP",
     "DataParallel",
     "Event",
@@ -29,5 +30,4 @@ __all__ = [
     "NaiveDDP",
     "OverlappedDDP",
     "partition_buckets",
-    "torch_all_reduce",
 ]

@@ -1,4 +1,4 @@
-"""What every data-parallel variant shares: the wrapper, the averaging rule and the bookkeeping.
+"""What every data-parallel variant shares: the wrapper, the gradient buffer, the collectives.
 
 Data parallelism (DDP) in one invariant: *after the gradient sync, every rank holds the
 gradient of the mean loss over the union of all ranks' micro-batches*, i.e.::
@@ -9,7 +9,8 @@ so that one optimizer step on any rank equals one step of single-process trainin
 full batch. The parameters start identical (rank 0's are broadcast) and every rank applies
 the same update, so they stay bit-identical on every rank forever.
 
-The variants in this package differ only in *how* the sum is communicated:
+The variants differ only in *how* the sum is communicated; each one is a file that reads
+alone, defining its own ``finish_gradient_sync()`` from the pieces below:
 
 =============  ====================================================  ======================
 module         communication                                          collectives per step
@@ -22,7 +23,7 @@ overlapped.py  the same buckets, launched from gradient hooks         num_bucket
 
 Usage, the same for all of them (and close to ``torch.nn.parallel.DistributedDataParallel``)::
 
-    model = OverlappedDDP(net, group=None, bucket_cap_mb=1.0)
+    model = OverlappedDDP(net, group=None, bucket_cap_mb=1.0)   # comm=Comm(group, impl="ring")
     for i, (x, y) in enumerate(batches):
         with model.no_sync() if (i + 1) % accum else contextlib.nullcontext():
             (loss_fn(model(x), y) / accum).backward()
@@ -30,11 +31,15 @@ Usage, the same for all of them (and close to ``torch.nn.parallel.DistributedDat
             model.finish_gradient_sync()   # torch DDP hides this inside backward()
             opt.step(); opt.zero_grad(set_to_none=True)
 
+Communication goes through a :class:`labkit.collectives.Comm`: ``Comm(group)`` is PyTorch's
+all-reduce, ``Comm(group, impl="ring")`` labkit's own ring; the wrapper never calls
+``torch.distributed`` collectives directly (only the start-up broadcast).
+
 Awkward parameters, handled by every variant:
 
 * **frozen** (``requires_grad=False``): broadcast at start, never reduced.
 * **tied** (one ``Parameter`` reachable twice, e.g. GPT's embedding and head): autograd sums
-  both uses into one ``.grad``; it is listed and reduced *once* (``named_parameters``
+  both uses into one ``.grad``; it is listed and reduced *once* (``parameters()``
   de-duplicates by identity).
 * **no gradient in a step** (a branch not taken): another rank may have taken it, so every
   rank still takes part in the collective, contributing zeros. One extra "used" flag per
@@ -55,16 +60,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
+from torch.distributed import ProcessGroup
 
+from labkit.collectives.comm import Comm
 from labkit.parallel.layout import global_rank
-
-AllReduceFn = Callable[[torch.Tensor, Any], None]
-"""An in-place SUM all-reduce: ``fn(tensor, group) -> None``, e.g. labkit's ring all-reduce."""
-
-
-def torch_all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
-    """The default ``allreduce_fn``: PyTorch's own all-reduce (gloo on CPU, NCCL on GPUs)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 
 @dataclass
@@ -78,20 +78,21 @@ class Event:
 
 
 class DataParallel(nn.Module):
-    """Base of the variants: wraps ``module``; subclasses implement :meth:`_sync`.
+    """The wrapper the variants build on: broadcast, ``forward``, ``no_sync``, buffers, clock.
 
     ``group``: the process group the gradients are averaged over (None = WORLD).
-    ``allreduce_fn``: the collective used, ``(tensor, group) -> None`` in-place sum;
-    None means :func:`torch_all_reduce`. ``record_events``: keep a timeline of the last step
-    in :attr:`events` (host clock; on CUDA the all-reduce ends are completion callbacks).
+    ``comm``: the collectives used (default ``Comm(group)``, PyTorch's); its group must be
+    ``group``. ``record_events``: keep a timeline of the last step in :attr:`events` (host
+    clock; on CUDA the all-reduce ends are completion callbacks). A variant adds one method,
+    ``finish_gradient_sync()``: average the gradients; call it after the last backward.
     """
 
     def __init__(
         self,
         module: nn.Module,
         *,
-        group: Any = None,
-        allreduce_fn: AllReduceFn | None = None,
+        group: ProcessGroup | None = None,
+        comm: Comm | None = None,
         record_events: bool = False,
     ):
         super().__init__()
@@ -100,13 +101,14 @@ class DataParallel(nn.Module):
                 f"{type(self).__name__} needs torch.distributed initialised "
                 "(run it inside labkit.launch(...) or torchrun)"
             )
-        if allreduce_fn is not None and not callable(allreduce_fn):
-            raise TypeError(f"allreduce_fn must be callable (tensor, group) -> None, got {allreduce_fn!r}")
+        if comm is not None and not isinstance(comm, Comm):
+            raise TypeError(f"comm must be a labkit.collectives.Comm, got {comm!r}")
+        if comm is not None and group is not None and comm.group is not group:
+            raise ValueError(f"comm runs over group {comm.group!r}, but group={group!r} was passed")
+        self.comm = comm if comm is not None else Comm(group)
         self.module = module
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.allreduce_fn: AllReduceFn = allreduce_fn or torch_all_reduce
-        self.custom_allreduce = allreduce_fn is not None
+        self.group = self.comm.group
+        self.world_size = dist.get_world_size(self.group)
         self.record_events = record_events
         self.events: list[Event] = []
         self.elements_reduced = 0  # summed over the last sync: proves tied weights go once
@@ -122,25 +124,37 @@ class DataParallel(nn.Module):
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) > 1:
             raise ValueError(
-                f"all trainable parameters must share one dtype and device to share a buffer, "
+                "all trainable parameters must share one dtype and device to share a buffer, "
                 f"got {sorted(str(k) for k in kinds)}"
             )
         self._broadcast_from_rank0()
 
-    # ---- the wrapper -------------------------------------------------------------------
+    def _broadcast_from_rank0(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (frozen ones included)."""
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(t.data, src=global_rank(self.group, 0), group=self.group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.require_sync and self.record_events:
+        record = self.record_events and self.require_sync  # the step's last micro-batch
+        if record:
             self.events = []
             self._t0 = time.perf_counter()
         out = self.module(*args, **kwargs)
-        if self.record_events and isinstance(out, torch.Tensor) and out.requires_grad:
+        if record and isinstance(out, torch.Tensor) and out.requires_grad:
             # The gradient w.r.t. the output is the first thing backward computes.
-            out.register_hook(self._mark_backward_start)
+            out.register_hook(self._record_backward)
         return out
 
-    def _mark_backward_start(self, grad: torch.Tensor) -> None:
-        self._backward_start = self.now()
+    def _record_backward(self, grad: torch.Tensor) -> None:
+        """Backward starts now; a callback queued on the autograd engine marks its end."""
+        event = Event("backward", "backward", self.now(), float("nan"))
+        self.events.insert(0, event)  # the top row of the timeline
+
+        def end() -> None:
+            event.end = self.now()
+
+        Variable._execution_engine.queue_callback(end)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -155,32 +169,11 @@ class DataParallel(nn.Module):
         finally:
             self.require_sync = previous
 
-    def finish_gradient_sync(self) -> None:
-        """Average the gradients over the group; call after the last backward, before step()."""
-        self.elements_reduced = 0
-        start = self.now()
-        self._sync()
-        if self.record_events:
-            bwd_start = getattr(self, "_backward_start", start)
-            self.events.insert(0, Event("backward", "backward", bwd_start, self._backward_end(start)))
-
-    def _backward_end(self, sync_called: float) -> float:
-        return sync_called  # variants that see gradient hooks know better
-
-    def _sync(self) -> None:
-        raise NotImplementedError
-
-    # ---- helpers for the variants -------------------------------------------------------
-
     def now(self) -> float:
+        """Seconds since this step's ``forward``: the timeline's clock."""
         return time.perf_counter() - self._t0
 
-    def _broadcast_from_rank0(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers (frozen ones included)."""
-        src = global_rank(self.group, 0)
-        with torch.no_grad():
-            for t in [*self.module.parameters(), *self.module.buffers()]:
-                dist.broadcast(t.data, src=src, group=self.group)
+    # ---- the gradient buffer --------------------------------------------------------------
 
     def pack(self, params: list[nn.Parameter]) -> torch.Tensor:
         """``[grad_0.flatten(), ..., grad_k.flatten(), used_0, ..., used_k]`` in one buffer.
@@ -219,20 +212,22 @@ class DataParallel(nn.Module):
                 p.grad = total / self.world_size
             else:  # divide while copying back: one pass over the gradient, not two
                 torch.div(total, self.world_size, out=p.grad)
-        self.elements_reduced += buf.numel() - len(params)
+        self.elements_reduced += n
 
-    def reduce_now(self, buf: torch.Tensor, name: str) -> None:
-        """A blocking all-reduce, recorded on the timeline."""
+    # ---- communication ---------------------------------------------------------------------
+
+    def all_reduce(self, buf: torch.Tensor, name: str) -> None:
+        """A blocking SUM all-reduce of ``buf`` through ``self.comm``, recorded on the timeline."""
         start = self.now()
-        self.allreduce_fn(buf, self.group)
+        self.comm.all_reduce(buf)
         if self.record_events:
             self.events.append(Event("allreduce", name, start, self.now()))
 
     def start_allreduce(self, buf: torch.Tensor, name: str) -> Pending:
-        """Start an all-reduce of ``buf`` without waiting; ``.wait()`` on the result finishes it.
+        """Start a SUM all-reduce of ``buf`` without waiting; ``.wait()`` on the result ends it.
 
-        With torch's collective this is ``async_op=True``: gloo runs it on its own threads
-        (NCCL on its own CUDA stream) while backward goes on. A custom ``allreduce_fn`` is
+        PyTorch's collective (``comm.impl == "torch"``) is asynchronous: gloo runs it on its
+        own threads (NCCL on its own CUDA stream) while backward goes on. labkit's ring is
         blocking, so it runs on one background thread: a FIFO "communication stream" that
         keeps the order of collectives identical on every rank.
         """
@@ -243,30 +238,29 @@ class DataParallel(nn.Module):
         def done(*_: Any) -> None:
             event.end = self.now()
 
-        if not self.custom_allreduce:
-            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            assert work is not None
-            if self.record_events:
+        if self.comm.impl == "torch":
+            work = self.comm.all_reduce(buf, async_op=True)
+            if self.record_events and hasattr(work, "get_future"):
                 work.get_future().add_done_callback(done)
-            return Pending(work.wait, event, self)
+            return Pending(work.wait, event, self.now)
         if self._comm_thread is None:
             self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="labkit-comm")
-        future = self._comm_thread.submit(self.allreduce_fn, buf, self.group)
+        future = self._comm_thread.submit(self.comm.all_reduce, buf)
         if self.record_events:
             future.add_done_callback(done)
-        return Pending(future.result, event, self)
+        return Pending(future.result, event, self.now)
 
     def extra_repr(self) -> str:
-        return f"world_size={self.world_size}, params={len(self.params)}"
+        return f"world_size={self.world_size}, params={len(self.params)}, comm={self.comm.impl}"
 
 
 class Pending:
     """A started all-reduce; :meth:`wait` blocks until the buffer holds the sum."""
 
-    def __init__(self, wait: Callable[[], Any], event: Event, owner: DataParallel):
-        self._wait, self.event, self._owner = wait, event, owner
+    def __init__(self, wait: Callable[[], Any], event: Event, now: Callable[[], float]):
+        self._wait, self.event, self._now = wait, event, now
 
     def wait(self) -> None:
         self._wait()
         if self.event.end != self.event.end:  # NaN: the completion callback has not run yet
-            self.event.end = self._owner.now()
+            self.event.end = self._now()

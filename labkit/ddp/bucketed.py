@@ -18,11 +18,11 @@ It is the stepping stone: the sweep in notebook 03 shows the latency/size trade-
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from labkit.ddp.base import AllReduceFn, DataParallel
+from labkit.collectives.comm import Comm
+from labkit.ddp.base import DataParallel
 
 
 def partition_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
@@ -51,6 +51,20 @@ def partition_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]
     return buckets
 
 
+def bucket_cap_bytes(bucket_cap_mb: float) -> int:
+    """The cap in bytes; a non-positive cap is refused before any process communicates."""
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    return max(1, int(bucket_cap_mb * 2**20))
+
+
+def make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """``params`` (in order of use in forward) cut into buckets, the last-used first."""
+    order = list(reversed(params))  # backward produces these first
+    sizes = [p.numel() * p.element_size() for p in order]
+    return [[order[i] for i in idx] for idx in partition_buckets(sizes, cap_bytes)]
+
+
 class BucketedDDP(DataParallel):
     """Buckets of ``bucket_cap_mb`` in reverse order of use, each all-reduced after backward."""
 
@@ -59,28 +73,24 @@ class BucketedDDP(DataParallel):
         module: nn.Module,
         *,
         bucket_cap_mb: float = 1.0,
-        group: Any = None,
-        allreduce_fn: AllReduceFn | None = None,
+        group: ProcessGroup | None = None,
+        comm: Comm | None = None,
         record_events: bool = False,
     ):
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        super().__init__(module, group=group, allreduce_fn=allreduce_fn, record_events=record_events)
+        cap = bucket_cap_bytes(bucket_cap_mb)
+        super().__init__(module, group=group, comm=comm, record_events=record_events)
         self.bucket_cap_mb = bucket_cap_mb
-        order = list(reversed(self.params))  # backward produces these first
-        sizes = [p.numel() * p.element_size() for p in order]
-        cap = max(1, int(bucket_cap_mb * 2**20))
-        self.buckets: list[list[nn.Parameter]] = [
-            [order[i] for i in idx] for idx in partition_buckets(sizes, cap)
-        ]
+        self.buckets = make_buckets(self.params, cap)
 
-    def _sync(self) -> None:
+    def finish_gradient_sync(self) -> None:
+        """Average the gradients over the group; call after the last backward, before step()."""
         if not self.require_sync:
             return
+        self.elements_reduced = 0
         for k, bucket in enumerate(self.buckets):
             buf = self.pack(bucket)  # (sum numel + len(bucket),)
-            self.reduce_now(buf, f"bucket {k}")
+            self.all_reduce(buf, f"bucket {k}")
             self.unpack(buf, bucket)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, buckets={len(self.buckets)}, bucket_cap_mb={self.bucket_cap_mb}"
+        return f"{super().extra_repr()}, buckets={len(self.buckets)}, cap={self.bucket_cap_mb} MB"

@@ -20,9 +20,11 @@ from labkit.ddp.base import DataParallel
 class FlatDDP(DataParallel):
     """All trainable gradients in one buffer, one blocking all-reduce after backward."""
 
-    def _sync(self) -> None:
+    def finish_gradient_sync(self) -> None:
+        """Average the gradients over the group; call after the last backward, before step()."""
         if not self.require_sync or not self.params:
             return
+        self.elements_reduced = 0
         buf = self.pack(self.params)  # (sum numel + num_params,)
-        self.reduce_now(buf, "flat")
+        self.all_reduce(buf, "flat")
         self.unpack(buf, self.params)

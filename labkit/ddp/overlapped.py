@@ -35,34 +35,38 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-from labkit.ddp.base import Pending
-from labkit.ddp.bucketed import BucketedDDP
+from labkit.ddp.base import DataParallel, Pending
+from labkit.ddp.bucketed import bucket_cap_bytes, make_buckets
 
 
-class OverlappedDDP(BucketedDDP):
-    """Bucketed DDP whose all-reduces are launched asynchronously from gradient hooks."""
+class OverlappedDDP(DataParallel):
+    """Buckets of ``bucket_cap_mb`` whose all-reduces start from gradient hooks, in order."""
 
-    def __init__(self, module: nn.Module, **kwargs: Any):
-        """Same arguments as :class:`BucketedDDP` (``bucket_cap_mb``, ``group``, ``allreduce_fn``, ...)."""
-        super().__init__(module, **kwargs)
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 1.0, **options: Any):
+        """``options``: ``group``, ``comm``, ``record_events``, as for :class:`DataParallel`."""
+        cap = bucket_cap_bytes(bucket_cap_mb)  # checked before the broadcast communicates
+        super().__init__(module, **options)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.buckets = make_buckets(self.params, cap)  # the same buckets as BucketedDDP's
         self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self._reset()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _reset(self) -> None:
-        self.missing = [len(bucket) for bucket in self.buckets]  # grads not yet final, per bucket
+        """Per-step state: gradients still missing per bucket, next bucket to launch, in flight."""
+        self.missing = [len(bucket) for bucket in self.buckets]
         self.ready: set[int] = set()
         self.next_bucket = 0  # buckets launch in this order, on every rank
-        self.inflight: list[tuple[int, Any, Pending]] = []
-        self._last_grad = 0.0
+        self.inflight: list[tuple[int, torch.Tensor, Pending]] = []  # (bucket, buffer, all-reduce)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Autograd wrote ``p.grad``: launch every bucket that is now complete, in index order."""
         if not self.require_sync:  # inside no_sync(): accumulate only
             return
-        self._last_grad = self.now()
         if id(p) in self.ready:
             raise RuntimeError(
                 f"gradient of {self.names[id(p)]!r} was produced twice before "
@@ -78,9 +82,11 @@ class OverlappedDDP(BucketedDDP):
         self.inflight.append((k, buf, self.start_allreduce(buf, f"bucket {k}")))
         self.next_bucket += 1
 
-    def _sync(self) -> None:
+    def finish_gradient_sync(self) -> None:
+        """Launch the buckets still waiting, wait for every bucket, write the averages back."""
         if not self.require_sync:
             return
+        self.elements_reduced = 0
         while self.next_bucket < len(self.buckets):  # buckets with a param unused on this rank
             self._launch(self.next_bucket)
         for k, buf, pending in self.inflight:
@@ -88,5 +94,5 @@ class OverlappedDDP(BucketedDDP):
             self.unpack(buf, self.buckets[k])
         self._reset()
 
-    def _backward_end(self, sync_called: float) -> float:
-        return self._last_grad or sync_called
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, buckets={len(self.buckets)}, cap={self.bucket_cap_mb} MB"

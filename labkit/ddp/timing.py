@@ -1,5 +1,7 @@
 """Measuring the variants: step time on a rank, bucket-size sweeps, and the overlap timeline.
 
+The timeline's picture is :func:`labkit.viz.ddp.plot_timeline`.
+
 Used by notebook 03 and ``benchmarks/bench_ddp.py``. A "step" is what training pays per
 optimizer step: forward, backward, gradient sync, ``optimizer.step()``. Every timed step
 starts after a barrier, so a rank that finished early does not hide the other's lag, and
@@ -7,10 +9,11 @@ the median over steps resists the noise of a shared machine.
 
 Two workloads bracket data parallelism:
 
-* **compute-bound**: :class:`~labkit.models.MnistCNN` (0.4 M params, ~1.7 MB of gradients),
-  where convolutions take ~100x longer than the all-reduce;
-* **communication-bound**: a wide :class:`~labkit.models.MLP` (~5.8 M params, 23 MB), few
-  FLOPs per byte of gradient, so the all-reduce is most of the step unless it is hidden.
+* **compute-bound**: :class:`~labkit.models.MnistCNN` (421,642 params, 1.6 MiB of fp32
+  gradients; see its docstring), where the convolutions dominate the step;
+* **communication-bound**: a wide :class:`~labkit.models.MLP` (784-2048-2048-10: 5,824,522
+  params, 22 MiB), few FLOPs per byte of gradient, so the all-reduce is most of the step
+  unless it is hidden.
 """
 
 from __future__ import annotations
@@ -114,23 +117,6 @@ def recorded_step(wrap: Wrap, workload: str = "mlp", warmup: int = 2) -> list[Ev
         model.finish_gradient_sync()  # type: ignore[operator]
         model.zero_grad(set_to_none=True)
     return list(model.events)  # type: ignore[arg-type]
-
-
-def plot_timeline(events: list[Event], ax: Any = None, title: str = "") -> Any:
-    """Backward on the top row, one row per bucket all-reduce below it (milliseconds)."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.4 * len(events) + 1))
-    t0 = min(e.start for e in events)
-    for row, e in enumerate(events):
-        color = "tab:blue" if e.kind == "backward" else "tab:orange"
-        ax.barh(row, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, color=color)
-    ax.set_yticks(range(len(events)), [e.name for e in events])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since backward started")
-    ax.set_title(title)
-    return ax
 
 
 def overlap_fraction(events: list[Event]) -> float:

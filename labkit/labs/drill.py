@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit.checkpoint.sharded import latest_step, load_checkpoint, save_checkpoint
+from labkit.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from labkit.launch import launch, local_device
 from labkit.precision.loss_scaler import DynamicLossScaler
 
