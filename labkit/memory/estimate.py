@@ -199,7 +199,7 @@ def estimate(cfg: GPTConfig, setup: TrainSetup | None = None, **changes: object)
 
     # Transients on top. Backward starts by replacing the logits and log-probabilities by
     # their two gradients: net one (s, b, V/t) tensor more. Recompute rebuilds one layer.
-    work = logits
+    work = float(logits)
     if setup.recompute != "none":
         core = "selective" if cfg.attention == "sdpa" else "none"
         work += scale * activation_bytes_per_layer(s, b, h, a, tp=t, sp=setup.sp, recompute=core)
