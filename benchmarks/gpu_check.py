@@ -37,7 +37,14 @@ from typing import Any
 import torch
 
 # bf16 dense peak FLOP/s (no sparsity), from the vendors' data sheets
-PEAKS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("A100", 312e12)]
+PEAKS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+]
 
 
 def peak_flops(name: str) -> float | None:
@@ -96,7 +103,11 @@ def capstone(recompute: str, steps: int = 6, warmup: int = 3) -> dict[str, Any]:
     seq, chunk = cfg.block_size, 64 * 2**20
     capacity = torch.cuda.get_device_properties(dev).total_memory
     setup = TrainSetup(precision="bf16", recompute=recompute, grad_chunk_params=chunk)
-    batches = [b for b in (32, 24, 16, 12, 8, 6, 4, 2, 1) if estimate(cfg, setup, micro_batch=b).total < 0.85 * capacity]
+    batches = [
+        b
+        for b in (32, 24, 16, 12, 8, 6, 4, 2, 1)
+        if estimate(cfg, setup, micro_batch=b).total < 0.85 * capacity
+    ]
     b = batches[0]
     est = estimate(cfg, setup, micro_batch=b)
     torch.manual_seed(0)
@@ -193,7 +204,9 @@ def _nccl_rank() -> dict[str, Any]:
         ddp = cls(model)
         gpt_loss(ddp, x, y).backward()
         ddp.finish_gradient_sync()
-        return all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        return all(
+            p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+        )
 
     def zero_losses(stage: str) -> list[float]:
         torch.manual_seed(0)
@@ -306,26 +319,42 @@ SECTIONS = {"a": None, "b": nccl_paths, "c": amp, "d": tracker}
 
 def main(argv: list[str]) -> int:
     wanted = argv or list(SECTIONS)
-    summary: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    summary: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if not torch.cuda.is_available():
-        print("gpu_check: torch.cuda is not available on this machine: nothing to measure.", flush=True)
+        print(
+            "gpu_check: torch.cuda is not available on this machine: nothing to measure.",
+            flush=True,
+        )
         print(json.dumps(summary, indent=1))
         return 0
     summary["device"] = torch.cuda.get_device_name()
     summary["peak_bf16_flops"] = peak_flops(summary["device"])
     t_all = time.perf_counter()
     for name in wanted:
-        jobs = {"a_full": lambda: capstone("full"), "a_none": lambda: capstone("none")} if name == "a" else {name: SECTIONS[name]}
+        jobs = (
+            {"a_full": lambda: capstone("full"), "a_none": lambda: capstone("none")}
+            if name == "a"
+            else {name: SECTIONS[name]}
+        )
         for key, fn in jobs.items():
             t0 = time.perf_counter()
             try:
                 summary[key] = fn()  # type: ignore[misc]
             except Exception as e:  # a failing section must not hide the others
-                summary[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+                summary[key] = {
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
                 torch.cuda.empty_cache()
             torch.cuda.empty_cache()
             summary[key + "_wall_s"] = time.perf_counter() - t0
-            print(f"== {key} ({summary[key + '_wall_s']:.1f} s): {json.dumps(summary[key], default=str)[:2000]}", flush=True)
+            print(
+                f"== {key} ({summary[key + '_wall_s']:.1f} s): {json.dumps(summary[key], default=str)[:2000]}",
+                flush=True,
+            )
     summary["wall_s"] = time.perf_counter() - t_all
     text = json.dumps(summary, indent=1, default=str)
     print(text)

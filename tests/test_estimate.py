@@ -41,7 +41,10 @@ def test_tensor_parallel_split_adds_up_to_the_whole_model():
         replicated = cfg.n_layer * 6 * cfg.n_embd + 2 * cfg.n_embd  # LNs, 2 biases, final LN
         padded = -(-cfg.vocab_size // tp) * tp - cfg.vocab_size
         whole = count_params_meta(cfg) + padded * cfg.n_embd
-        assert tp * gpu_params(cfg, tp=tp) - (tp - 1) * replicated == whole + (tp - 1) * cfg.block_size * cfg.n_embd
+        assert (
+            tp * gpu_params(cfg, tp=tp) - (tp - 1) * replicated
+            == whole + (tp - 1) * cfg.block_size * cfg.n_embd
+        )
         assert block_params(cfg, tp) < block_params(cfg) / tp + 7 * cfg.n_embd
 
 
@@ -62,10 +65,18 @@ def test_model_states_reproduce_zero_table1():
 def test_activations_follow_korthikanti_table2():
     cfg = GPT13.with_(attention="explicit")  # stores the 5as^2b attention core
     s, b, h, a, L, V = 2048, 2, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
-    for tp, sp, rc in [(1, False, "none"), (2, False, "selective"), (4, True, "none"), (8, True, "full")]:
+    for tp, sp, rc in [
+        (1, False, "none"),
+        (2, False, "selective"),
+        (4, True, "none"),
+        (8, True, "full"),
+    ]:
         e = estimate(cfg, micro_batch=b, tp=tp, sp=sp, recompute=rc)
         head = 2 * s * b * -(-V // tp) * 2  # logits and log-probabilities, 16-bit
-        assert e.activations == L * activation_bytes_per_layer(s, b, h, a, tp=tp, sp=sp, recompute=rc) + head
+        assert (
+            e.activations
+            == L * activation_bytes_per_layer(s, b, h, a, tp=tp, sp=sp, recompute=rc) + head
+        )
     # the formula by hand: t=8 with sequence parallelism and selective recompute is 34 sbh / t
     one = estimate(cfg, micro_batch=1, tp=8, sp=True, recompute="selective")
     assert one.activations - 2 * 2048 * math.ceil(V / 8) * 2 == L * 2048 * 2048 * 34 / 8
@@ -113,17 +124,34 @@ def test_estimate_matches_a_measured_ledger_on_two_ranks():
     records = run_ranks(_measure, PROXY, PROXY_BATCH, world_size=2, timeout=300)
     for rank_records in records:
         for rec in rank_records:
-            e = estimate(PROXY, micro_batch=PROXY_BATCH, dp=2, zero=rec["stage"], precision="fp32", allowance=0)
+            e = estimate(
+                PROXY,
+                micro_batch=PROXY_BATCH,
+                dp=2,
+                zero=rec["stage"],
+                precision="fp32",
+                allowance=0,
+            )
             rows = measured_vs_predicted(rec, e)
             for cat in ("parameters", "gradients", "optimizer_state"):
                 assert rows[cat][0] == rows[cat][1], (rec["stage"], cat, rows[cat])
             for cat in ("activations", "total"):
                 measured, predicted = rows[cat]
-                assert abs(predicted - measured) <= TOLERANCE * measured, (rec["stage"], cat, rows[cat])
+                assert abs(predicted - measured) <= TOLERANCE * measured, (
+                    rec["stage"],
+                    cat,
+                    rows[cat],
+                )
             # negative control: the wrong stage's prediction is rejected by the same check
             wrong = "zero3" if rec["stage"] == "ddp" else "ddp"
-            bad = measured_vs_predicted(rec, estimate(PROXY, micro_batch=PROXY_BATCH, dp=2, zero=wrong, precision="fp32"))
-            assert any(bad[c][0] != bad[c][1] for c in ("parameters", "gradients", "optimizer_state"))
+            bad = measured_vs_predicted(
+                rec, estimate(PROXY, micro_batch=PROXY_BATCH, dp=2, zero=wrong, precision="fp32")
+            )
+            assert any(
+                bad[c][0] != bad[c][1] for c in ("parameters", "gradients", "optimizer_state")
+            )
             # and 16-bit activations would be off by far more than the tolerance
-            half = estimate(PROXY, micro_batch=PROXY_BATCH, dp=2, zero=rec["stage"], precision="bf16").activations
+            half = estimate(
+                PROXY, micro_batch=PROXY_BATCH, dp=2, zero=rec["stage"], precision="bf16"
+            ).activations
             assert abs(half - rows["activations"][0]) > TOLERANCE * rows["activations"][0]

@@ -94,13 +94,19 @@ class TrainSetup:
         if self.zero not in STAGES:
             raise ValueError(f"unknown ZeRO stage {self.zero!r}; expected one of {STAGES}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; expected one of {sorted(PRECISIONS)}")
+            raise ValueError(
+                f"unknown precision {self.precision!r}; expected one of {sorted(PRECISIONS)}"
+            )
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"unknown recompute {self.recompute!r}; expected one of {RECOMPUTE}")
         if self.micro_batch < 1 or (self.seq is not None and self.seq < 1):
-            raise ValueError(f"need micro_batch >= 1 and seq >= 1, got {self.micro_batch}, {self.seq}")
+            raise ValueError(
+                f"need micro_batch >= 1 and seq >= 1, got {self.micro_batch}, {self.seq}"
+            )
         if self.allowance < 0 or self.grad_chunk_params < 0:
-            raise ValueError(f"allowance and grad_chunk_params must be >= 0, got {self.allowance}, {self.grad_chunk_params}")
+            raise ValueError(
+                f"allowance and grad_chunk_params must be >= 0, got {self.allowance}, {self.grad_chunk_params}"
+            )
         ParallelDegrees(self.dp, self.tp, self.pp)  # validates the degrees
 
     def with_(self, **changes: object) -> TrainSetup:
@@ -174,7 +180,9 @@ def gpu_params(cfg: GPTConfig, tp: int = 1, pp: int = 1) -> int:
 def estimate(cfg: GPTConfig, setup: TrainSetup | None = None, **changes: object) -> MemoryEstimate:
     """Per-GPU bytes by category for training ``cfg`` under ``setup`` (see the module doc)."""
     setup = (setup or TrainSetup()).with_(**changes) if changes else (setup or TrainSetup())
-    ParallelDegrees(setup.dp, setup.tp, setup.pp).check_model(hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer)
+    ParallelDegrees(setup.dp, setup.tp, setup.pp).check_model(
+        hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer
+    )
     s = setup.seq or cfg.block_size
     if s > cfg.block_size:
         raise ValueError(f"seq={s} exceeds the model's block_size={cfg.block_size}")
@@ -188,7 +196,9 @@ def estimate(cfg: GPTConfig, setup: TrainSetup | None = None, **changes: object)
 
     # Table 2 counts 16-bit tensors: scale by elem / 2 for fp32. SDPA never stores the core.
     scale = elem / 2
-    stored = "selective" if (setup.recompute == "none" and cfg.attention == "sdpa") else setup.recompute
+    stored = (
+        "selective" if (setup.recompute == "none" and cfg.attention == "sdpa") else setup.recompute
+    )
     layer = scale * activation_bytes_per_layer(s, b, h, a, tp=t, sp=setup.sp, recompute=stored)
     layers_per_stage = math.ceil(cfg.n_layer / pp)
     vocab_t = -(-cfg.vocab_size // t)
@@ -207,7 +217,9 @@ def estimate(cfg: GPTConfig, setup: TrainSetup | None = None, **changes: object)
     per_layer = 0.0
     if setup.recompute != "none":
         core = "selective" if cfg.attention == "sdpa" else "none"
-        per_layer += scale * activation_bytes_per_layer(s, b, h, a, tp=t, sp=setup.sp, recompute=core)
+        per_layer += scale * activation_bytes_per_layer(
+            s, b, h, a, tp=t, sp=setup.sp, recompute=core
+        )
     if setup.zero == "zero3":
         per_layer += block_params(cfg, t) * prec.param_bytes  # the layer all-gathered for compute
     step = 0.0
