@@ -131,3 +131,13 @@ def test_scaling_widget_follows_its_controls(tmp_path):
     assert shown() != want("gpt2", "NVLink 4 (450 GB/s)", 64)  # the control did change it
     fig = scaling_figure(RUNS, w.predicted())
     assert len(fig.axes) == 3
+
+
+def test_progress_prints_whole_lines_on_rank0_only(capsys):
+    from labkit.progress import progress
+
+    assert list(progress(range(3), desc="work", rank=0, mininterval=0)) == [0, 1, 2]
+    out = capsys.readouterr().out
+    assert "work" in out and "3/3" in out and "\r" not in out  # whole lines, for pipes
+    assert list(progress(range(3), desc="quiet", rank=1)) == [0, 1, 2]
+    assert "quiet" not in capsys.readouterr().out  # other ranks draw nothing

@@ -204,6 +204,9 @@ def measure_scaling(
     runs = []
     for n in ranks:
         per_rank = batch // n if mode == "strong" else batch
+        # one thread per rank: N ranks on N cores compare fairly with 1 rank on 1 core
+        # one thread per rank: N ranks on N cores compare fairly with 1 rank on 1 core (and
+        # OpenMP's spinning threads do not fight over cores the other ranks use)
         t = launch(
             _timed_ddp_steps,
             cfg,
@@ -214,6 +217,7 @@ def measure_scaling(
             backend="gloo",
             timeout=timeout,
             quiet=True,
+            threads_per_rank=1,
         )
         runs.append(ScalingRun(n, max(t), per_rank * n, mode, "measured"))
     return runs

@@ -87,7 +87,8 @@ class TrainSetup:
     recompute: str = "none"  # none / selective / full (Korthikanti)
     sp: bool = False  # sequence parallelism (needs tp > 1 to matter)
     offload_optimizer: bool = False  # optimizer state in host memory (ZeRO-Offload)
-    grad_chunk_params: int = 0  # mixed precision: gradients upcast to fp32 this many at a time
+    # mixed precision: gradients upcast to fp32 this many at a time (0: all at once)
+    grad_chunk_params: int = 64 * 2**20
     allowance: float = 0.5 * GIB  # stated fixed workspace: library buffers, allocator slack
 
     def __post_init__(self) -> None:
