@@ -240,7 +240,8 @@ def main(argv: list[str]) -> int:
             torch.cuda.empty_cache()
             summary[key + "_wall_s"] = time.perf_counter() - t0
             print(
-                f"== {key} ({summary[key + '_wall_s']:.1f} s): {json.dumps(summary[key], default=str)[:2000]}",
+                f"== {key} ({summary[key + '_wall_s']:.1f} s): "
+                f"{json.dumps(summary[key], default=str)[:2000]}",
                 flush=True,
             )
     summary["wall_s"] = time.perf_counter() - t_all

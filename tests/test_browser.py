@@ -78,7 +78,11 @@ def _write_notebook() -> None:
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
     nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
     WORK.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, NOTEBOOK)
@@ -97,7 +101,9 @@ def _start_lab(port: int, token: str) -> subprocess.Popen:
         "--ContentsManager.allow_hidden=True",  # .labkit/ is a hidden directory
     ]
     log = open(WORK / "lab.log", "w")  # noqa: SIM115  (closed with the process)
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _wait_for_server(proc: subprocess.Popen, port: int, token: str, timeout: float = 90) -> None:
@@ -105,7 +111,9 @@ def _wait_for_server(proc: subprocess.Popen, port: int, token: str, timeout: flo
     url = f"http://127.0.0.1:{port}/api/status?token={token}"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"./lab exited with {proc.returncode}: {(WORK / 'lab.log').read_text()[-2000:]}")
+            raise RuntimeError(
+                f"./lab exited with {proc.returncode}: {(WORK / 'lab.log').read_text()[-2000:]}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 json.load(r)
@@ -129,7 +137,8 @@ def _accept_kernel_dialog(page, wait_ms: int = 3000) -> None:
 def _text(page, selector: str, timeout: float = 90_000) -> str:
     """The text of ``selector`` once it is shown with a real value (not the '-' placeholder)."""
     page.wait_for_function(
-        "s => { const e = document.querySelector(s); return e && e.textContent && e.textContent !== '-'; }",
+        "s => { const e = document.querySelector(s);"
+        " return e && e.textContent && e.textContent !== '-'; }",
         arg=selector,
         timeout=timeout,
     )
@@ -159,7 +168,10 @@ def test_widgets_in_a_real_browser():
         _wait_for_server(proc, port, token)
         with sync_playwright() as pw:
             ctx = pw.chromium.launch_persistent_context(
-                str(WORK / "profile"), executable_path=_chromium(), headless=True, args=CHROMIUM_FLAGS,
+                str(WORK / "profile"),
+                executable_path=_chromium(),
+                headless=True,
+                args=CHROMIUM_FLAGS,
                 viewport={"width": 1400, "height": 1600},
             )
             page = ctx.new_page()
@@ -168,7 +180,10 @@ def test_widgets_in_a_real_browser():
                 page.goto(f"http://127.0.0.1:{port}/lab/tree/{rel}?token={token}", timeout=90_000)
                 page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
                 # Run > Run All Cells, once the kernel is up (autoStartDefaultKernel)
-                page.wait_for_selector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+                page.wait_for_selector(
+                    ".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
+                    timeout=90_000,
+                )
                 _accept_kernel_dialog(page)
                 page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
                 page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
@@ -185,7 +200,9 @@ def test_widgets_in_a_real_browser():
                 assert new_batch == START_BATCH + 2
                 want = fmt_gb(estimate(cfg, TrainSetup(micro_batch=new_batch)).total)
                 page.wait_for_function(
-                    "w => document.querySelector('.labkit-mem-total').textContent === w", arg=want, timeout=30_000
+                    "w => document.querySelector('.labkit-mem-total').textContent === w",
+                    arg=want,
+                    timeout=30_000,
                 )
                 assert want != shown
 

@@ -52,7 +52,9 @@ def ddp_overlap() -> plt.Figure:
     fig, axes = plt.subplots(2, 1, figsize=(9, 4), sharex=True)
     for ax, name in zip(axes, ("bucketed", "overlapped")):
         hidden = timing.overlap_fraction(events[name])
-        timing.plot_timeline(events[name], ax=ax, title=f"{name}: {hidden:.0%} of all-reduce time hidden in backward")
+        timing.plot_timeline(
+            events[name], ax=ax, title=f"{name}: {hidden:.0%} of all-reduce time hidden in backward"
+        )
     fig.tight_layout()
     return fig
 
@@ -73,7 +75,12 @@ def zero_ledger() -> plt.Figure:
         bars[f"{rec['stage']}\nmeasured"] = rec["at_peak"]
         bars[f"{rec['stage']}\npredicted"] = rec["predicted"]
     fig, ax = plt.subplots(figsize=(10, 3.8))
-    return memory_bars(bars, None, "ZeRO on 2 ranks: measured ledger at the peak vs the paper's model states", ax=ax)
+    return memory_bars(
+        bars,
+        None,
+        "ZeRO on 2 ranks: measured ledger at the peak vs the paper's model states",
+        ax=ax,
+    )
 
 
 def memory_widget() -> plt.Figure:
@@ -95,7 +102,9 @@ def scaling() -> plt.Figure:
     cfg = preset("small-lab")
     runs = measure_scaling(cfg, ranks=(1, 2), mode="weak", batch=4, steps=3)
     pred = extrapolate(runs[0], preset("gpt2").num_params() * 2, LINKS["InfiniBand NDR (50 GB/s)"])
-    return scaling_figure(runs, pred, "weak scaling: measured on this machine, extrapolated for GPT-2's gradients")
+    return scaling_figure(
+        runs, pred, "weak scaling: measured on this machine, extrapolated for GPT-2's gradients"
+    )
 
 
 FIGURES: dict[str, Callable[[], plt.Figure]] = {

@@ -80,7 +80,9 @@ class ChunkedMixedAdamW:
                 self.master[i].grad = None
 
 
-def capstone_step(recompute: str = "full", steps: int = 6, warmup: int = 3, preset_name: str = "gpt2-1.3b") -> dict[str, Any]:
+def capstone_step(
+    recompute: str = "full", steps: int = 6, warmup: int = 3, preset_name: str = "gpt2-1.3b"
+) -> dict[str, Any]:
     from labkit.activation_checkpoint import apply_activation_checkpointing
     from labkit.memory.estimate import GIB, TrainSetup, estimate
     from labkit.models import GPT, lm_loss, preset

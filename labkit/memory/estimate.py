@@ -23,7 +23,8 @@ GPU holds and asks the model for the bytes:
   largest of three moments: the start of backward (the logits' gradients, net ``s*b*V/t``
   elements more), a layer's backward (one layer's activations rebuilt under recompute plus
   ZeRO-3's all-gathered layer) and the optimizer step (activations gone; the fp32 copy of
-  one chunk of gradients in a mixed-precision step), plus a stated fixed ``allowance`` (cuBLAS/NCCL workspaces and allocator slack; default 0.5 GiB).
+  one chunk of gradients in a mixed-precision step), plus a stated fixed ``allowance``
+  (cuBLAS/NCCL workspaces and allocator slack; default 0.5 GiB).
 
 ``peak_allocated`` (everything but the allowance) is the number to hold against
 ``torch.cuda.max_memory_allocated``; ``total`` against the card's capacity.
@@ -106,7 +107,8 @@ class TrainSetup:
             )
         if self.allowance < 0 or self.grad_chunk_params < 0:
             raise ValueError(
-                f"allowance and grad_chunk_params must be >= 0, got {self.allowance}, {self.grad_chunk_params}"
+                "allowance and grad_chunk_params must be >= 0, "
+                f"got {self.allowance}, {self.grad_chunk_params}"
             )
         ParallelDegrees(self.dp, self.tp, self.pp)  # validates the degrees
 
