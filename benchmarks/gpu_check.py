@@ -1,0 +1,257 @@
+"""One prepared GPU check (H100/H200): the capstone's 1.3B step and labkit's GPU paths.
+
+Run from the repository root with labkit importable (``pip install -e .`` or PYTHONPATH=.):
+
+    python benchmarks/gpu_check.py            # all sections, < 6 minutes on an H100
+    python benchmarks/gpu_check.py a c        # only some sections
+
+Sections (each in its own try/except: one failing section never hides the others):
+
+a. The GPT-2 1.3B step (notebook 11's GPU path): bf16 parameters with fp32 master weights
+   and fused AdamW (stepped in chunks, so the fp32 gradient copy is one chunk at a time),
+   SDPA attention, activation checkpointing of every block (and a run without it). The
+   micro-batch is the largest that ``labkit.memory.estimate`` says fits in 85% of the card.
+   Reports tokens/s, MFU = tokens/s * (6N + 12*L*h*s) / peak (N: parameters without the
+   position embedding, which is a lookup; 12*L*h*s: attention's score and value matmuls,
+   forward and backward; recompute's extra forward is not model FLOPs), and
+   ``torch.cuda.max_memory_allocated`` against the estimate's ``peak_allocated``.
+b. ``labkit.launch`` at world_size=1 with backend="nccl": Comm (torch and ring) all_reduce,
+   reduce_scatter, all_gather; one step of each DDP variant; one step of ZeRO-1/2/3.
+c. AMP: labkit's DynamicLossScaler against torch.amp.GradScaler (fp16 autocast), time per
+   step interleaved, ratio ours/torch; and a bf16 autocast step.
+d. labkit.memory.tracker.CudaMemoryTracker against torch.cuda.max_memory_allocated.
+
+Prints one JSON summary at the end (and writes it to $OUT/gpu_check.json when OUT is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Runnable from a plain checkout: the repository root (labkit's parent) on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def peak_flops(name: str) -> float | None:
+    from labkit.measure.capstone import peak_flops as peak
+
+    return peak(name)
+
+
+def capstone(recompute: str) -> dict[str, Any]:
+    from labkit.measure.capstone import capstone_step
+
+    return capstone_step(recompute)
+
+
+# --------------------------------------------------------------------------- b. nccl paths
+def _nccl_rank() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from labkit.collectives import Comm
+    from labkit.ddp import VARIANTS
+    from labkit.launch import local_device
+    from labkit.models import GPT, GPTConfig, gpt_loss
+    from labkit.zero import make_optimizer
+
+    dev = local_device()
+    res: dict[str, Any] = {"backend": dist.get_backend(), "device": str(dev)}
+
+    def attempt(key: str, fn: Any) -> None:
+        try:
+            res[key] = fn()
+        except Exception as e:  # report and go on with the next path
+            res[key] = f"error: {type(e).__name__}: {e}"
+
+    def comm_ok(impl: str) -> bool:
+        comm = Comm(None, impl)
+        t = torch.arange(10, dtype=torch.float32, device=dev)
+        ref = t.clone()
+        comm.all_reduce(t)
+        shard = torch.empty(10, device=dev)
+        comm.reduce_scatter(shard, ref.clone())
+        full = torch.empty(10, device=dev)
+        comm.all_gather(full, ref.clone())
+        return bool(torch.equal(t, ref) and torch.equal(shard, ref) and torch.equal(full, ref))
+
+    cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    x = torch.randint(0, 128, (4, 64), device=dev)
+    y = torch.roll(x, -1, 1)
+
+    def ddp_ok(cls: Any) -> bool:
+        torch.manual_seed(0)
+        model = GPT(cfg).to(dev)
+        ddp = cls(model)
+        gpt_loss(ddp, x, y).backward()
+        ddp.finish_gradient_sync()
+        return all(
+            p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+        )
+
+    def zero_losses(stage: str) -> list[float]:
+        torch.manual_seed(0)
+        model = GPT(cfg).to(dev)
+        opt = make_optimizer(stage, model)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = gpt_loss(model, x, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses  # falling: the steps train
+
+    for impl in ("torch", "ring"):
+        attempt(f"comm_{impl}", lambda impl=impl: comm_ok(impl))
+    for name, cls in VARIANTS.items():
+        attempt(f"ddp_{name}", lambda cls=cls: ddp_ok(cls))
+    for stage in ("zero1", "zero2", "zero3"):
+        attempt(f"{stage}_losses", lambda stage=stage: zero_losses(stage))
+    return res
+
+
+def nccl_paths() -> dict[str, Any]:
+    import labkit
+
+    t0 = time.perf_counter()
+    out = labkit.launch(_nccl_rank, world_size=1, backend="nccl", timeout=180, quiet=True)[0]
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+# --------------------------------------------------------------------------- c. AMP
+def amp() -> dict[str, Any]:
+    from labkit.measure.timing import interleaved_times, spread
+    from labkit.models import GPT, gpt_loss, preset
+    from labkit.precision import DynamicLossScaler
+
+    dev = torch.device("cuda")
+    cfg = preset("gpt2")
+    x = torch.randint(0, cfg.vocab_size, (8, 1024), device=dev)
+    y = torch.roll(x, -1, 1)
+
+    def make(scaler: Any, dtype: torch.dtype) -> Any:
+        torch.manual_seed(0)
+        model = GPT(cfg).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=dtype):
+                loss = gpt_loss(model, x, y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+
+        return step
+
+    fns = {
+        "labkit_fp16": make(DynamicLossScaler(sync_found_inf=False), torch.float16),
+        "torch_fp16": make(torch.amp.GradScaler("cuda"), torch.float16),
+        "bf16": make(None, torch.bfloat16),
+    }
+    times = interleaved_times(fns, steps=10, warmup=3, sync=torch.cuda.synchronize)
+    med = {k: spread(v).median for k, v in times.items()}
+    out = {f"{k}_ms": v * 1e3 for k, v in med.items()}
+    out["ours_over_torch_fp16"] = med["labkit_fp16"] / med["torch_fp16"]
+    return out
+
+
+# --------------------------------------------------------------------------- d. tracker
+def tracker() -> dict[str, Any]:
+    from labkit.memory import CudaMemoryTracker
+    from labkit.models import GPT, gpt_loss, preset
+
+    dev = torch.device("cuda")
+    cfg = preset("small-lab")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with CudaMemoryTracker(dev) as mt:
+        model = GPT(cfg).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, cfg.vocab_size, (16, cfg.block_size), device=dev)
+        for _ in range(2):
+            opt.zero_grad()
+            gpt_loss(model, x, torch.roll(x, -1, 1)).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        ledger = mt.ledger()
+        raw_peak = torch.cuda.max_memory_allocated() - base
+        live = sum(ledger.current.values())
+        raw_now = torch.cuda.memory_allocated() - base
+    return {
+        "tracker_peak_bytes": ledger.peak_bytes,
+        "max_memory_allocated_minus_base": raw_peak,
+        "peak_equal": ledger.peak_bytes == raw_peak,
+        "categorised_live_bytes": live,
+        "memory_allocated_minus_base": raw_now,
+        "live_over_allocated": live / raw_now if raw_now else None,
+        "current_by_category": ledger.current,
+    }
+
+
+SECTIONS = {"a": None, "b": nccl_paths, "c": amp, "d": tracker}
+
+
+def main(argv: list[str]) -> int:
+    wanted = argv or list(SECTIONS)
+    summary: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: torch.cuda is not available on this machine: nothing to measure.",
+            flush=True,
+        )
+        print(json.dumps(summary, indent=1))
+        return 0
+    summary["device"] = torch.cuda.get_device_name()
+    summary["peak_bf16_flops"] = peak_flops(summary["device"])
+    t_all = time.perf_counter()
+    for name in wanted:
+        jobs = (
+            {"a_full": lambda: capstone("full"), "a_none": lambda: capstone("none")}
+            if name == "a"
+            else {name: SECTIONS[name]}
+        )
+        for key, fn in jobs.items():
+            t0 = time.perf_counter()
+            try:
+                summary[key] = fn()  # type: ignore[misc]
+            except Exception as e:  # a failing section must not hide the others
+                summary[key] = {
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
+                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
+            summary[key + "_wall_s"] = time.perf_counter() - t0
+            print(
+                f"== {key} ({summary[key + '_wall_s']:.1f} s): "
+                f"{json.dumps(summary[key], default=str)[:2000]}",
+                flush=True,
+            )
+    summary["wall_s"] = time.perf_counter() - t_all
+    text = json.dumps(summary, indent=1, default=str)
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

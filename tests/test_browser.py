@@ -1,0 +1,242 @@
+"""The widgets in a real browser: the project's own ``./lab`` serves JupyterLab, headless
+Chromium (Debian's package, driven by Playwright) opens a notebook with both widgets, runs
+it, moves a slider of each, and checks that the displayed number becomes what
+:func:`labkit.memory.estimate.estimate` / :mod:`labkit.measure.scaling` give for the new
+setting. A screenshot is saved under ``.labkit/browser-test/``.
+
+Needs ``playwright`` (the Python package; no browser download) and a Chromium binary
+(``apt-get install chromium``; or ``LABKIT_CHROMIUM=/path``). Without them the test skips and
+says why, except under CI (``CI=true``), where ``.ci/run`` installs them and the test is
+required.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".labkit" / "browser-test"  # .labkit/ is git-ignored
+NOTEBOOK = WORK / "widgets.ipynb"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+START_BATCH = 2
+SCALING_RUNS = "[ScalingRun(1, 1.0, 8, 'weak'), ScalingRun(2, 1.25, 16, 'weak')]"
+CELLS = [
+    "from labkit.viz.memory_widget import MemoryWidget\n"
+    f"MemoryWidget('gpt2-1.3b', micro_batch={START_BATCH}, capacity='80 GB')",
+    "from labkit.measure.scaling import ScalingRun\n"
+    "from labkit.viz.scaling import ScalingWidget\n"
+    f"ScalingWidget({SCALING_RUNS}, model='gpt2-1.3b', link='InfiniBand NDR (50 GB/s)')",
+]
+
+
+def _chromium() -> str | None:
+    for cand in (os.environ.get("LABKIT_CHROMIUM"), "chromium", "chromium-browser"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def _requirements() -> str | None:
+    """Why the test cannot run here, or None."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed (pip install playwright)"
+    if _chromium() is None:
+        return "no chromium binary (apt-get install chromium, or set LABKIT_CHROMIUM)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_notebook() -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    WORK.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, NOTEBOOK)
+
+
+def _start_lab(port: int, token: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JUPYTER_RUNTIME_DIR": str(WORK / "runtime")}
+    args = [
+        str(ROOT / "lab"),
+        "--no-browser",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        "--ServerApp.ip=127.0.0.1",
+        f"--IdentityProvider.token={token}",
+        f"--LabApp.workspaces_dir={WORK / 'workspaces'}",
+        "--ContentsManager.allow_hidden=True",  # .labkit/ is a hidden directory
+    ]
+    log = open(WORK / "lab.log", "w")  # noqa: SIM115  (closed with the process)
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_for_server(proc: subprocess.Popen, port: int, token: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{port}/api/status?token={token}"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"./lab exited with {proc.returncode}: {(WORK / 'lab.log').read_text()[-2000:]}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                json.load(r)
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"JupyterLab did not answer on port {port} within {timeout} s")
+
+
+def _accept_kernel_dialog(page, wait_ms: int = 3000) -> None:
+    """Accept a "Select Kernel" dialog if one shows (autoStartDefaultKernel does not always
+    prevent it): its default choice is the project's kernel."""
+    dialog = page.locator(".jp-Dialog .jp-mod-accept")
+    try:
+        dialog.wait_for(state="visible", timeout=wait_ms)
+    except Exception:  # no dialog: nothing to do
+        return
+    dialog.click()
+
+
+def _text(page, selector: str, timeout: float = 90_000) -> str:
+    """The text of ``selector`` once it is shown with a real value (not the '-' placeholder)."""
+    page.wait_for_function(
+        "s => { const e = document.querySelector(s);"
+        " return e && e.textContent && e.textContent !== '-'; }",
+        arg=selector,
+        timeout=timeout,
+    )
+    return page.locator(selector).first.inner_text()
+
+
+def test_widgets_in_a_real_browser():
+    why = _requirements()
+    if why:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI requires the browser test, but {why}")
+        print(f"skipping the real-browser test: {why}")
+        pytest.skip(why)
+    from playwright.sync_api import sync_playwright
+
+    from labkit.measure.scaling import LINKS, ScalingRun, efficiency, extrapolate
+    from labkit.memory.estimate import TrainSetup, estimate
+    from labkit.models import preset
+    from labkit.viz.memory_widget import fmt_gb
+
+    cfg = preset("gpt2-1.3b")
+    t0 = time.monotonic()
+    _write_notebook()
+    port, token = _free_port(), secrets.token_hex(16)
+    proc = _start_lab(port, token)
+    try:
+        _wait_for_server(proc, port, token)
+        with sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(
+                str(WORK / "profile"),
+                executable_path=_chromium(),
+                headless=True,
+                args=CHROMIUM_FLAGS,
+                viewport={"width": 1400, "height": 1600},
+            )
+            page = ctx.new_page()
+            try:
+                rel = NOTEBOOK.relative_to(ROOT).as_posix()
+                page.goto(f"http://127.0.0.1:{port}/lab/tree/{rel}?token={token}", timeout=90_000)
+                page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+                # Run > Run All Cells, once the kernel is up (autoStartDefaultKernel)
+                page.wait_for_selector(
+                    ".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
+                    timeout=90_000,
+                )
+                _accept_kernel_dialog(page)
+                page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+                _accept_kernel_dialog(page)
+
+                # 1. the memory widget: its total is the estimate's, before and after the slider
+                shown = _text(page, ".labkit-mem-total")
+                assert shown == fmt_gb(estimate(cfg, TrainSetup(micro_batch=START_BATCH)).total)
+                slider = page.locator(".labkit-memory-widget .widget-slider").first
+                slider.locator(".noUi-handle").focus()
+                for _ in range(2):
+                    page.keyboard.press("ArrowRight")
+                new_batch = int(slider.locator(".widget-readout").inner_text())
+                assert new_batch == START_BATCH + 2
+                want = fmt_gb(estimate(cfg, TrainSetup(micro_batch=new_batch)).total)
+                page.wait_for_function(
+                    "w => document.querySelector('.labkit-mem-total').textContent === w",
+                    arg=want,
+                    timeout=30_000,
+                )
+                assert want != shown
+
+                # 2. the scaling widget: the extrapolated efficiency follows the slider
+                runs = [ScalingRun(1, 1.0, 8, "weak"), ScalingRun(2, 1.25, 16, "weak")]
+                link = LINKS["InfiniBand NDR (50 GB/s)"]
+
+                def eff_at(n: int) -> str:
+                    pred = extrapolate(runs[0], cfg.num_params() * 2, link, [n])
+                    return f"{100 * efficiency(runs + pred)[n]:.1f}%"
+
+                assert _text(page, ".labkit-scaling-eff") == eff_at(1024)
+                ranks = page.locator(".labkit-scaling-widget .widget-slider").first
+                ranks.locator(".noUi-handle").focus()
+                page.keyboard.press("ArrowLeft")
+                n = int(ranks.locator(".widget-readout").inner_text())
+                assert n == 512
+                page.wait_for_function(
+                    "w => document.querySelector('.labkit-scaling-eff').textContent === w",
+                    arg=eff_at(n),
+                    timeout=30_000,
+                )
+                page.screenshot(path=str(WORK / "widgets.png"), full_page=True)
+            except Exception:
+                page.screenshot(path=str(WORK / "failure.png"), full_page=True)
+                print(f"browser test failed; the page is in {WORK / 'failure.png'}")
+                raise
+            finally:
+                ctx.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its kernel: our own session
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"real-browser test: {time.monotonic() - t0:.1f} s; screenshot {WORK / 'widgets.png'}")
