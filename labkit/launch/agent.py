@@ -29,7 +29,7 @@ def _agent_main(run_dir: str, parent_pid: int) -> int:
     run = Path(run_dir)
     with open(run / _JOB_FILE, "rb") as f:
         cfg: LaunchConfig = cloudpickle.load(f)["config"]
-    config = ElasticConfig(
+    options: dict = dict(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=cfg.world_size,
@@ -45,6 +45,10 @@ def _agent_main(run_dir: str, parent_pid: int) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=str(run / "logs"), redirects=Std.ALL, tee=Std.ALL),
         shutdown_timeout=2,
     )
+    # shutdown_timeout arrived in torch 2.13's LaunchConfig; an older torch (a GPU image may
+    # ship one) waits its default instead.
+    known = set(getattr(ElasticConfig, "__dataclass_fields__", options))
+    config = ElasticConfig(**{k: v for k, v in options.items() if k in known})
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:

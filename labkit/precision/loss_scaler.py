@@ -176,12 +176,19 @@ class DynamicLossScaler:
         device = grads[0].device
         # 1/S in fp64, rounded to fp32: what GradScaler multiplies by, so results match bitwise.
         inv_scale = torch.tensor(1.0 / self._scale, dtype=torch.float32, device=device)
-        found = torch.zeros((), dtype=torch.float32, device=device)
         with torch.no_grad():
-            for grad in grads:
-                # Accumulate on the device; one host sync at the end, not one per tensor.
-                found = torch.maximum(found, (~torch.isfinite(grad)).any().to(found.dtype))
-                grad.mul_(inv_scale.to(grad.device))
+            if all(g.device == device for g in grads):
+                # Two multi-tensor kernels for all gradients (what a GPU needs: one small kernel
+                # per tensor costs more in launches than the arithmetic): the inf-norm of each
+                # gradient is inf or nan exactly when the gradient holds one.
+                norms = torch.stack(torch._foreach_norm(grads, float("inf")))  # (num_grads,)
+                found = (~torch.isfinite(norms)).any().to(torch.float32)
+                torch._foreach_mul_(grads, inv_scale)
+            else:  # gradients on several devices: one tensor at a time
+                found = torch.zeros((), dtype=torch.float32, device=device)
+                for grad in grads:
+                    found = torch.maximum(found, (~torch.isfinite(grad)).any().to(found.dtype).to(device))
+                    grad.mul_(inv_scale.to(grad.device))
         if self.sync_found_inf and dist.is_available() and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         return bool(found.item())
