@@ -48,12 +48,15 @@ from labkit.launch.config import (
 )
 from labkit.launch.launcher import launch
 from labkit.launch.rank import local_device, run_from_env, seed_everything
+from labkit.launch.world import World, WorldClosedError
 
 __all__ = [
     "JobTimeoutError",
     "LaunchConfig",
     "LaunchError",
     "RankFailedError",
+    "World",
+    "WorldClosedError",
     "choose_backend",
     "describe_machine",
     "launch",

@@ -1,0 +1,418 @@
+"""A live world: N ranks that start once and serve calls until closed.
+
+``labkit.launch`` starts N fresh processes per job (seconds, mostly importing torch). A
+``World`` pays that once; afterwards ``world.run(fn, *args)`` costs a few milliseconds, and
+``%%ranks`` cells run on every rank in a namespace that persists from cell to cell::
+
+    world = labkit.World(2)                  # ranks start, the process group is initialised
+    world.run(fn, 3)                         # -> [rank 0's result, rank 1's result]
+    %%ranks                                  # (a cell) runs on every rank; `t` stays there
+    t = torch.full((2,), float(rank))
+
+How it is built::
+
+    caller (kernel)                                         rank r (python -c, world_rank.py)
+    TCPStore server on a free port  <--------------------  joins the default group once
+    socketpair per rank:  {"kind": "run", payload} ------>  _run_job(fn, *args)
+    print "[rankN]: ..." <---- stdout/stderr pipes <-----  output, then an end-of-call mark
+    result / error record <----------------------------  reply
+
+The guarantees are launch's. A rank that raises fails the call with its traceback; the world
+stays usable when every rank got back to its loop, and is otherwise stopped. A call that
+outlives its timeout gives every rank's stack and stops the world; an interrupt stops the
+ranks' code (or, when a rank does not stop, the world). A stopped or crashed world (a killed
+rank) restarts on the next call, saying so. Ranks die with the caller (``PR_SET_PDEATHSIG``
+and the closed socket) and with the world (``close``, garbage collection, interpreter exit).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from labkit.launch.config import _ENV_RUN_ID, JobTimeoutError, LaunchConfig, LaunchError
+from labkit.launch.launcher import _dumps, _runs_root, _worker_env
+from labkit.launch.report import _blame, _dump_stacks, _stderr_tail
+from labkit.launch.world_rank import END_MARK
+
+_BOOTSTRAP = (
+    "import sys; from labkit.launch.world_rank import rank_main; "
+    "rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])"
+)
+_GRACE_S = 2.0  # after one rank fails or an interrupt, how long the others get to come back
+
+
+class WorldClosedError(LaunchError):
+    """The world was closed; create a new one."""
+
+
+@dataclass
+class _Ranks:
+    """One incarnation of a world's processes and the threads that read their output."""
+
+    run: Path
+    procs: list[subprocess.Popen[bytes]]
+    conns: list[Connection]
+    store: Any
+    # (rank, "out"/"err", a line of text, or None for the end mark of the call numbered last)
+    lines: queue.Queue[tuple[int, str, str | None, int]] = field(default_factory=queue.Queue)
+    tails: list[collections.deque[str]] = field(default_factory=list)
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+
+def _pump(stream: Any, rank: int, tag: str, ranks: _Ranks) -> None:
+    """Forward a rank's lines; an end-of-call mark becomes ``(rank, tag, None, call)``."""
+    with open(ranks.run / f"rank{rank}.std{tag}.log", "ab") as log:
+        for raw in iter(stream.readline, b""):
+            log.write(raw)
+            line = raw.decode(errors="replace")
+            text, mark, call = line.partition(END_MARK)
+            if text:
+                ranks.lines.put((rank, tag, text if text.endswith("\n") else text + "\n", 0))
+                if tag == "err":
+                    ranks.tails[rank].append(text)
+            if mark:
+                ranks.lines.put((rank, tag, None, int(call)))
+    stream.close()
+
+
+def _stop(holder: list[_Ranks | None]) -> None:
+    """SIGKILL every rank of the incarnation in ``holder`` and reap it; close its pipes."""
+    import psutil
+
+    ranks = holder[0]
+    holder[0] = None
+    if ranks is None:
+        return
+    victims = []
+    for proc in ranks.procs:
+        with contextlib.suppress(psutil.Error):
+            victims += psutil.Process(proc.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    for p in victims:
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(_ENV_RUN_ID) == ranks.run.name:  # never a recycled pid
+                p.kill()
+    for proc in ranks.procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    for conn in ranks.conns:
+        conn.close()
+    for t in ranks.pumps:
+        t.join(timeout=2)
+
+
+class World:
+    """``world_size`` ranks that stay alive across calls. See the module docstring."""
+
+    def __init__(
+        self,
+        world_size: int = 2,
+        backend: str | None = None,
+        timeout: float = 300.0,
+        *,
+        quiet: bool = False,
+        threads_per_rank: int | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        self.cfg = LaunchConfig(
+            world_size=world_size,
+            backend=backend,
+            timeout=timeout,
+            quiet=quiet,
+            threads_per_rank=threads_per_rank,
+            env=dict(env or {}),
+        )
+        self.restarts = 0  # how many times a broken world was replaced
+        self._holder: list[_Ranks | None] = [None]
+        self._closed = False
+        self._broken: str | None = None
+        self._calls = 0
+        self._finalizer = weakref.finalize(self, _stop, self._holder)
+        self._start()
+        from labkit.launch.magic import register
+
+        register(self)
+
+    # ---- life --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        cfg = self.cfg
+        root = _runs_root()
+        root.mkdir(parents=True, exist_ok=True)
+        prefix = time.strftime("world-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-"
+        run = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        store = dist.TCPStore(cfg.host, 0, cfg.world_size, is_master=True, wait_for_workers=False)
+        env = _worker_env(cfg, run.name)
+        env["LABKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
+        ranks = _Ranks(run, [], [], store)
+        self._holder[0] = ranks
+        for rank in range(cfg.world_size):
+            ours, theirs = socket.socketpair()
+            argv = [str(theirs.fileno()), str(rank), str(cfg.world_size), str(cfg.backend)]
+            argv += [f"{cfg.host}:{store.port}", str(run)]
+            ranks.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _BOOTSTRAP, *argv],
+                    pass_fds=(theirs.fileno(),),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches us; we decide
+                )
+            )
+            theirs.close()
+            ranks.conns.append(Connection(ours.detach()))
+            ranks.tails.append(collections.deque(maxlen=200))
+            for stream, tag in ((ranks.procs[-1].stdout, "out"), (ranks.procs[-1].stderr, "err")):
+                ranks.pumps.append(
+                    threading.Thread(target=_pump, args=(stream, rank, tag, ranks), daemon=True)
+                )
+                ranks.pumps[-1].start()
+        self._gather(ranks, 0, max(120.0, cfg.timeout), quiet=cfg.quiet)
+
+    def _ensure(self) -> _Ranks:
+        """The live incarnation: raise if closed, restart if broken or a rank has died."""
+        if self._closed:
+            raise WorldClosedError(
+                f"this World({self.cfg.world_size}) was closed; start a new one with "
+                f"labkit.World({self.cfg.world_size})"
+            )
+        ranks = self._holder[0]
+        if ranks is not None:
+            dead = [r for r, p in enumerate(ranks.procs) if p.poll() is not None]
+            if dead:
+                self._break(f"rank {dead[0]} died between calls ({self._how(ranks, dead[0])})")
+        if self._holder[0] is None:
+            print(f"labkit.World: restarting {self.cfg.world_size} ranks: {self._broken}", file=sys.stderr)
+            self.restarts += 1
+            self._start()
+        ranks = self._holder[0]
+        assert ranks is not None
+        return ranks
+
+    def _break(self, reason: str) -> None:
+        self._broken = reason
+        _stop(self._holder)
+
+    def close(self) -> None:
+        """End every rank now. Calling the world afterwards raises :class:`WorldClosedError`."""
+        self._closed = True
+        ranks = self._holder[0]
+        if ranks is not None:
+            for conn in ranks.conns:
+                with contextlib.suppress(OSError):
+                    conn.send({"kind": "close"})
+        self._finalizer()
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "broken" if self._holder[0] is None else "alive"
+        return f"World({self.cfg.world_size}, backend={self.cfg.backend!r}, {state})"
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids (empty when closed or broken)."""
+        ranks = self._holder[0]
+        return [p.pid for p in ranks.procs] if ranks is not None else []
+
+    # ---- calls -------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        quiet: bool | None = None,
+        isolate: bool = False,
+    ) -> list[Any]:
+        """``fn(*args)`` on every rank; returns ``[rank 0's result, rank 1's, ...]``.
+
+        ``isolate=True`` (the test suite's mode) starts the call barrier-synchronised with a
+        fresh process's defaults (torch seed, grad mode, default dtype) and removes the
+        subgroups, environment and working-directory changes it made.
+        """
+        if not callable(fn):
+            raise TypeError(f"World.run() needs a callable, got {type(fn).__name__}: {fn!r}")
+        try:
+            payload = _dumps({"fn": fn, "args": args})
+        except Exception as exc:
+            raise TypeError(f"cannot send fn and args to the ranks (pickling failed): {exc}") from exc
+        msg = {"kind": "run", "payload": payload, "isolate": isolate}
+        return self._call(msg, timeout, quiet)
+
+    def exec(self, source: str, timeout: float | None = None) -> list[Any]:
+        """Run ``source`` on every rank in its persistent namespace (which starts with
+        ``torch``, ``dist``, ``rank``, ``world_size``); returns each rank's value of the last
+        line when it is an expression, else ``None``. The body of a ``%%ranks`` cell."""
+        filename = f"<ranks-cell-{self._calls + 1}>"
+        msg = {"kind": "exec", "source": source, "filename": filename, "isolate": False}
+        return self._call(msg, timeout, None)
+
+    def _call(self, msg: dict[str, Any], timeout: float | None, quiet: bool | None) -> list[Any]:
+        limit = float(timeout if timeout is not None else self.cfg.timeout)
+        if not limit > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        ranks = self._ensure()
+        self._calls += 1
+        msg["call"] = self._calls
+        for conn in ranks.conns:
+            with contextlib.suppress(OSError):  # a dead rank shows up as EOF in _gather
+                conn.send(msg)
+        return self._gather(ranks, self._calls, limit, quiet=self.cfg.quiet if quiet is None else quiet)
+
+    def _gather(self, ranks: _Ranks, call: int, limit: float, quiet: bool) -> list[Any]:
+        """Wait for every rank's reply to ``call`` while printing their output; then results
+        or the error to blame. Call 0 is the ranks' start (their ``ready``)."""
+        n = self.cfg.world_size
+        replies: dict[int, dict[str, Any]] = {}
+        died: list[dict[str, Any]] = []
+        ends: set[tuple[int, str, int]] = set()
+        deadline = time.monotonic() + limit
+        first_failure: float | None = None
+        try:
+            while len(replies) + len(died) < n:
+                self._print(ranks, ends, quiet, block=0.0)
+                waiting = {ranks.conns[r]: r for r in range(n) if r not in replies}
+                waiting = {c: r for c, r in waiting.items() if r not in {d["rank"] for d in died}}
+                for conn in wait(list(waiting), timeout=0.02):
+                    rank = waiting[conn]  # type: ignore[index]
+                    try:
+                        replies[rank] = conn.recv()
+                    except (EOFError, OSError):
+                        died.append(self._death(ranks, rank))
+                    if not replies.get(rank, {"ok": False})["ok"]:
+                        first_failure = first_failure or time.monotonic()
+                now = time.monotonic()
+                if first_failure is not None and now - first_failure > _GRACE_S:
+                    break  # the others are stuck (in a collective with the failed rank)
+                if now > deadline:
+                    self._timeout(ranks, limit)
+        except KeyboardInterrupt:
+            self._interrupt(ranks, replies, call)
+            raise
+        if call:
+            self._finish_output(ranks, ends, replies, quiet, call)
+        return self._outcome(ranks, replies, died)
+
+    def _outcome(self, ranks: _Ranks, replies: dict[int, dict[str, Any]], died: list[dict[str, Any]]) -> list[Any]:
+        n = self.cfg.world_size
+        records = [r["error"] for r in replies.values() if not r["ok"]]
+        if not records and not died and len(replies) == n:
+            if all(r.get("group_intact", True) for r in replies.values()):
+                return [cloudpickle.loads(replies[r]["value"]) for r in range(n) if "value" in replies[r]]
+            self._break("the last call destroyed the default process group")
+            return [cloudpickle.loads(replies[r]["value"]) for r in range(n)]
+        stuck = sorted(set(range(n)) - set(replies) - {d["rank"] for d in died})
+        if died or stuck or any(r["collateral"] for r in records):
+            what = f"rank {died[0]['rank']} died" if died else f"ranks {stuck} were stuck"
+            self._break(f"the last call failed and {what}" if stuck or died else "a peer was lost")
+        failure = _blame(records, died, ranks.run)
+        assert failure is not None
+        raise failure
+
+    def _death(self, ranks: _Ranks, rank: int) -> dict[str, Any]:
+        proc = ranks.procs[rank]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=2)
+        time.sleep(0.05)  # let the pump read the last of its stderr
+        code = proc.returncode
+        return {
+            "rank": rank,
+            "exitcode": code,
+            "signal": signal.Signals(-code).name if code is not None and code < 0 else "",
+            "stderr": _stderr_tail("".join(ranks.tails[rank]), entry="_run_job"),
+        }
+
+    def _how(self, ranks: _Ranks, rank: int) -> str:
+        code = ranks.procs[rank].returncode
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    def _timeout(self, ranks: _Ranks, limit: float) -> None:
+        for rank in range(self.cfg.world_size):
+            with contextlib.suppress(OSError):
+                os.truncate(ranks.run / f"stack.{rank}.txt", 0)  # ranks append: only this dump
+        stacks = _dump_stacks(ranks.run, self.cfg.world_size, entry="_run_job")
+        self._break(f"the last call ran past timeout={limit:g}s")
+        raise JobTimeoutError(limit, stacks, ranks.run)
+
+    def _interrupt(self, ranks: _Ranks, replies: dict[int, dict[str, Any]], call: int) -> None:
+        """Stop button: SIGINT the ranks still running; keep the world if all come back."""
+        running = [r for r in range(self.cfg.world_size) if r not in replies]
+        try:
+            for rank in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(ranks.procs[rank].pid, signal.SIGINT)
+            deadline = time.monotonic() + _GRACE_S
+            while running and time.monotonic() < deadline:
+                for conn in wait([ranks.conns[r] for r in running], timeout=0.05):
+                    rank = ranks.conns.index(conn)  # type: ignore[arg-type]
+                    with contextlib.suppress(EOFError, OSError):
+                        conn.recv()
+                        running.remove(rank)
+        finally:
+            if running or call == 0:
+                self._break(f"ranks {running} did not stop on the interrupt")
+                print(f"labkit.World: ranks {running} did not stop on the interrupt; the world "
+                      "was stopped and restarts on the next call", file=sys.stderr)
+            else:
+                print("labkit.World: interrupted; every rank stopped, the world is still usable",
+                      file=sys.stderr)
+
+    # ---- output ------------------------------------------------------------------------
+
+    def _print(self, ranks: _Ranks, ends: set[tuple[int, str, int]], quiet: bool, block: float) -> None:
+        # Printing from the caller's thread keeps the output in the running cell.
+        try:
+            item = ranks.lines.get(timeout=block) if block else ranks.lines.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            rank, tag, text, call = item
+            if text is None:
+                ends.add((rank, tag, call))
+            elif not quiet:
+                (sys.stdout if tag == "out" else sys.stderr).write(f"[rank{rank}]: {text}")
+            try:
+                item = ranks.lines.get_nowait()
+            except queue.Empty:
+                break
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    def _finish_output(
+        self, ranks: _Ranks, ends: set[tuple[int, str, int]], replies: dict[int, Any], quiet: bool, call: int
+    ) -> None:
+        """Print until every replying rank's end marks arrived: a call's lines before its result."""
+        want = {(r, tag, call) for r in replies for tag in ("out", "err")}
+        deadline = time.monotonic() + 1.0
+        while not want <= ends and time.monotonic() < deadline:
+            self._print(ranks, ends, quiet, block=0.01)
+        self._print(ranks, ends, quiet, block=0.0)
