@@ -21,6 +21,15 @@ def processes_tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_worlds():
+    """run_ranks' warm worlds live for the session and end with it."""
+    from tests.ranks import close_worlds
+
+    yield
+    close_worlds()
+
+
 @pytest.fixture
 def job_tag():
     """A tag to pass as ``env={"LABKIT_TEST_TAG": tag}``; the test fails if any tagged process survives."""
