@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 
 import psutil
@@ -24,10 +25,10 @@ def processes_tagged(tag: str) -> list[psutil.Process]:
 @pytest.fixture(scope="session", autouse=True)
 def _shared_worlds():
     """run_ranks' warm worlds live for the session and end with it."""
-    from tests.ranks import close_worlds
-
     yield
-    close_worlds()
+    ranks = sys.modules.get("tests.ranks")  # imported only by tests that run ranks
+    if ranks is not None:
+        ranks.close_worlds()
 
 
 @pytest.fixture

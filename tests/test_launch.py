@@ -99,6 +99,22 @@ def test_rank_killed_by_a_signal_is_blamed_not_its_peers(job_tag):
     assert "SIGKILL" in str(info.value) or "without reporting" in str(info.value)
 
 
+def _native_abort_on_size_mismatch():
+    n = 4 if dist.get_rank() == 0 else 8  # mismatched sizes: gloo aborts the process
+    dist.all_reduce(torch.ones(n))
+
+
+def test_rank_dying_in_native_code_shows_the_native_message_and_its_frame(job_tag):
+    with pytest.raises(RankFailedError) as info:
+        launch(_native_abort_on_size_mismatch, world_size=2, timeout=60, quiet=True, env={"LABKIT_TEST_TAG": job_tag})
+    err = info.value
+    assert err.exc_type == "ProcessDied"
+    assert "Received data size doesn't match expected size" in err.rank_traceback  # gloo's words
+    assert "Fatal Python error: Aborted" in err.rank_traceback
+    assert "in _native_abort_on_size_mismatch" in err.rank_traceback  # the learner's frame
+    assert "in _worker" not in err.rank_traceback and "Extension modules" not in str(err)
+
+
 def _deadlock():
     if dist.get_rank() == 0:
         time.sleep(600)  # rank 0 never joins the collective
