@@ -30,7 +30,9 @@ from labkit import World, launch
 _WORLDS: dict[tuple[Any, ...], World] = {}
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int, timeout: float = 120, **kwargs: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], *args: Any, world_size: int, timeout: float = 120, **kwargs: Any
+) -> list[Any]:
     """``fn(*args)`` on ``world_size`` gloo ranks (CPU tensors), bounded by ``timeout`` seconds;
     returns the per-rank results, indexed by rank.
 
@@ -41,7 +43,16 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int, timeout: floa
     backend = kwargs.pop("backend", "gloo")
     env = kwargs.pop("env", None) or {}
     if kwargs:
-        return launch(fn, *args, world_size=world_size, timeout=timeout, quiet=quiet, backend=backend, env=env, **kwargs)
+        return launch(
+            fn,
+            *args,
+            world_size=world_size,
+            timeout=timeout,
+            quiet=quiet,
+            backend=backend,
+            env=env,
+            **kwargs,
+        )
     _by_value(fn)
     key = (world_size, backend, tuple(sorted(env.items())))
     world = _WORLDS.get(key)

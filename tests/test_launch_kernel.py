@@ -48,7 +48,7 @@ def run_cell(kc, code: str, timeout: float = 120.0, on_output=None):
 
 def test_cell_defined_function_class_and_helper_run_on_ranks_with_live_output(kernel):
     _, kc = kernel
-    code = '''
+    code = """
 import time, torch, torch.distributed as dist
 import labkit
 from torch import nn
@@ -72,7 +72,7 @@ def work(n):
 
 results = labkit.launch(work, 3, world_size=2, timeout=60)
 print("RESULTS", results)
-'''
+"""
     reply, streams = run_cell(kc, code)
     assert reply["status"] == "ok", reply
     text = "".join(s for _, s in streams)
@@ -86,7 +86,7 @@ print("RESULTS", results)
 
 def test_rank_traceback_shows_the_cells_own_source(kernel):
     _, kc = kernel
-    code = '''
+    code = """
 from labkit.launch import RankFailedError
 def explode():
     if dist.get_rank() == 1:
@@ -98,7 +98,7 @@ try:
 except RankFailedError as e:
     print("RANK", e.rank, e.exc_type)
     print(e.rank_traceback)
-'''
+"""
     reply, streams = run_cell(kc, code)
     assert reply["status"] == "ok", reply
     text = "".join(s for _, s in streams)
@@ -109,7 +109,10 @@ except RankFailedError as e:
 def test_stop_button_kills_every_rank_and_kernel_stays_healthy(kernel):
     km, kc = kernel
     tag = uuid.uuid4().hex
-    reply, _ = run_cell(kc, "import signal, os\nbefore = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}\nenv_before = dict(os.environ)")
+    reply, _ = run_cell(
+        kc,
+        "import signal, os\nbefore = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}\nenv_before = dict(os.environ)",
+    )
     assert reply["status"] == "ok"
     code = f'''
 def sleepy():
@@ -131,7 +134,10 @@ labkit.launch(sleepy, world_size=2, timeout=300, env={{"LABKIT_TEST_TAG": "{tag}
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
     assert time.monotonic() - interrupted[0] < 15
     assert not processes_tagged(tag), "ranks survived the interrupt"
-    reply, streams = run_cell(kc, "print(before == {s: signal.getsignal(s) for s in before}, env_before == dict(os.environ), 6 * 7)")
+    reply, streams = run_cell(
+        kc,
+        "print(before == {s: signal.getsignal(s) for s in before}, env_before == dict(os.environ), 6 * 7)",
+    )
     assert reply["status"] == "ok"
     assert "True True 42" in "".join(s for _, s in streams)
 
@@ -142,9 +148,15 @@ def test_world_in_a_kernel_keeps_rank_state_across_ranks_cells_and_dies_with_the
     tag = uuid.uuid4().hex
     km, kc = start_new_kernel(kernel_name="python3")
     try:
-        reply, _ = run_cell(kc, f'import labkit\nworld = labkit.World(2, backend="gloo", env={{"LABKIT_TEST_TAG": "{tag}"}})')
+        reply, _ = run_cell(
+            kc,
+            "import labkit\n"
+            f'world = labkit.World(2, backend="gloo", env={{"LABKIT_TEST_TAG": "{tag}"}})',
+        )
         assert reply["status"] == "ok", reply
-        reply, _ = run_cell(kc, "%%ranks\nimport time\nt = torch.full((2,), float(rank))\ndist.all_reduce(t)")
+        reply, _ = run_cell(
+            kc, "%%ranks\nimport time\nt = torch.full((2,), float(rank))\ndist.all_reduce(t)"
+        )
         assert reply["status"] == "ok", reply
         reply, streams = run_cell(kc, "%%ranks\nprint('on rank', rank)\nt * (rank + 1)")
         text = "".join(s for _, s in streams)
@@ -159,7 +171,12 @@ def test_world_in_a_kernel_keeps_rank_state_across_ranks_cells_and_dies_with_the
                 interrupted.append(time.monotonic())
                 km.interrupt_kernel()
 
-        reply, _ = run_cell(kc, "%%ranks\nprint('ready', flush=True)\ntime.sleep(600)", timeout=60, on_output=on_output)
+        reply, _ = run_cell(
+            kc,
+            "%%ranks\nprint('ready', flush=True)\ntime.sleep(600)",
+            timeout=60,
+            on_output=on_output,
+        )
         assert interrupted and reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
         assert time.monotonic() - interrupted[0] < 15
         reply, streams = run_cell(kc, "%%ranks\nt.sum()")

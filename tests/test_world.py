@@ -30,7 +30,9 @@ def world_tag():
     survivors = processes_tagged(tag)
     for p in survivors:
         p.kill()
-    assert not survivors, f"processes outlived their world: {[(p.pid, p.name()) for p in survivors]}"
+    assert not survivors, (
+        f"processes outlived their world: {[(p.pid, p.name()) for p in survivors]}"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,9 @@ def _dumps(job: dict[str, Any]) -> bytes:
     sources = {
         name: (len("".join(entry[2])), None, entry[2], name)
         for name in pickler.filenames
-        if (entry := linecache.cache.get(name)) is not None and len(entry) == 4 and not os.path.exists(name)
+        if (entry := linecache.cache.get(name)) is not None
+        and len(entry) == 4
+        and not os.path.exists(name)
     }
     return buffer.getvalue() + cloudpickle.dumps(sources)
 
@@ -182,7 +184,14 @@ class _Job:
         self.cfg = cfg
         self.run = run
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _AGENT_BOOTSTRAP, str(run), str(os.getpid()), str(cfg.start_method)],
+            [
+                sys.executable,
+                "-c",
+                _AGENT_BOOTSTRAP,
+                str(run),
+                str(os.getpid()),
+                str(cfg.start_method),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
@@ -208,12 +217,17 @@ class _Job:
         while self.proc.poll() is None:
             self.drain(0.05)
             if time.monotonic() > deadline:
-                raise JobTimeoutError(self.cfg.timeout, _dump_stacks(self.run, self.cfg.world_size), self.run / "logs")
+                raise JobTimeoutError(
+                    self.cfg.timeout, _dump_stacks(self.run, self.cfg.world_size), self.run / "logs"
+                )
             if self.failure_settled():
                 return
             # Done once every rank's result is on disk: the agent's own shutdown (exit
             # barrier, log tailers, interpreter exit) adds seconds and nothing we need.
-            if not self.cfg.max_restarts and len(_finished(self.run, self.cfg.world_size)) == self.cfg.world_size:
+            if (
+                not self.cfg.max_restarts
+                and len(_finished(self.run, self.cfg.world_size)) == self.cfg.world_size
+            ):
                 return
 
     def failure_settled(self) -> bool:
@@ -293,8 +307,12 @@ class _Job:
             if failure is not None:
                 raise failure
             agent_error = run / "agent_error.txt"
-            detail = agent_error.read_text() if agent_error.exists() else "".join(self.agent_noise[-40:])
-            raise LaunchError(f"the job failed before any rank reported an error:\n{detail}", run / "logs")
+            detail = (
+                agent_error.read_text() if agent_error.exists() else "".join(self.agent_noise[-40:])
+            )
+            raise LaunchError(
+                f"the job failed before any rank reported an error:\n{detail}", run / "logs"
+            )
         results = []
         for rank in range(world_size):
             with open(run / f"result.{rank}.pkl", "rb") as f:
@@ -321,13 +339,19 @@ def launch(
     outlives ``timeout`` seconds, ``KeyboardInterrupt`` when interrupted (all ranks killed).
     """
     if not callable(fn):
-        raise TypeError(f"launch() needs a callable as its first argument, got {type(fn).__name__}: {fn!r}")
+        raise TypeError(
+            f"launch() needs a callable as its first argument, got {type(fn).__name__}: {fn!r}"
+        )
     cfg = LaunchConfig(world_size=world_size, backend=backend, timeout=timeout, **options)
 
     root = Path(cfg.log_dir) if cfg.log_dir is not None else _runs_root()
     root.mkdir(parents=True, exist_ok=True)
     _prune_old_runs(root)
-    run = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-", dir=root))
+    run = Path(
+        tempfile.mkdtemp(
+            prefix=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-", dir=root
+        )
+    )
     try:
         payload = _dumps({"fn": fn, "args": args, "config": cfg})
     except Exception as exc:

@@ -38,7 +38,9 @@ def ranks(line: str, cell: str) -> None:
     world: Any = get_ipython().user_ns.get(name) if name else (_latest() if _latest else None)
     if world is None:
         raise NameError(
-            f"%%ranks: no world named {name!r}" if name else "%%ranks needs a world: world = labkit.World(2)"
+            f"%%ranks: no world named {name!r}"
+            if name
+            else "%%ranks needs a world: world = labkit.World(2)"
         )
     for rank, value in enumerate(world.exec(cell)):
         if value is not None:

@@ -80,7 +80,12 @@ def _init_process_group(backend: str, timeout: float) -> None:
         # group reads the dead attempt's gloo addresses and fails with "connection refused".
         store = dist.PrefixStore(
             f"labkit/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit),
+            dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=limit,
+            ),
         )
         dist.init_process_group(
             backend=backend,
@@ -93,7 +98,9 @@ def _init_process_group(backend: str, timeout: float) -> None:
         dist.init_process_group(backend=backend, timeout=limit)
 
 
-def run_from_env(fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout: float = 1800.0) -> Any:
+def run_from_env(
+    fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout: float = 1800.0
+) -> Any:
     """Run ``fn(*args)`` on this process as one rank of a ``torchrun`` job.
 
     ``torchrun --nproc-per-node 4 -m labkit.labs.mnist`` ends up here: the environment

@@ -32,7 +32,9 @@ def _dump_stacks(
         for rank in range(world_size):
             path = run / f"stack.{rank}.txt"
             stacks[rank] = path.read_text() if path.exists() else ""
-        if all(entry in s or s.rstrip().endswith("(most recent call first):") for s in stacks.values()):
+        if all(
+            entry in s or s.rstrip().endswith("(most recent call first):") for s in stacks.values()
+        ):
             break
         time.sleep(0.05)
     return {rank: _trim_stack(text, entry) for rank, text in stacks.items()}
@@ -108,7 +110,9 @@ def _died_error(died: dict[str, Any], log_dir: Path | None, others: list[int]) -
         else "(no Python traceback: the process was killed, ran out of memory, or crashed in "
         "native code)"
     )
-    return RankFailedError(died["rank"], "ProcessDied", f"the process {how}", detail, log_dir, others)
+    return RankFailedError(
+        died["rank"], "ProcessDied", f"the process {how}", detail, log_dir, others
+    )
 
 
 def _blame(
@@ -130,7 +134,9 @@ def _blame(
         return RankFailedError(
             root["rank"], root["type"], root["message"], root["traceback"], log_dir, others
         )
-    unreported = sorted((d for d in died if d["rank"] not in reported), key=lambda d: not d["signal"])
+    unreported = sorted(
+        (d for d in died if d["rank"] not in reported), key=lambda d: not d["signal"]
+    )
     if unreported:
         others = sorted(reported | {d["rank"] for d in unreported[1:]})
         return _died_error(unreported[0], log_dir, others)
@@ -143,7 +149,9 @@ def _blame(
     return None
 
 
-def _root_cause(run: Path, log_dir: Path, silent_dead: set[int] | None = None) -> RankFailedError | None:
+def _root_cause(
+    run: Path, log_dir: Path, silent_dead: set[int] | None = None
+) -> RankFailedError | None:
     """Blame a rank of a launch from the files its ranks and agent left in ``run``: error
     records, the agent's exit codes (``agent_failures.json``), else ``silent_dead`` (ranks
     seen dead with no record), and each dead rank's stderr log."""
@@ -155,7 +163,10 @@ def _root_cause(run: Path, log_dir: Path, silent_dead: set[int] | None = None) -
     path = run / "agent_failures.json"
     died = [f for f in json.loads(path.read_text())["failures"]] if path.exists() else []
     if not [f for f in died if f["rank"] not in reported]:
-        died = [{"rank": r, "signal": "", "exitcode": None} for r in sorted((silent_dead or set()) - reported)]
+        died = [
+            {"rank": r, "signal": "", "exitcode": None}
+            for r in sorted((silent_dead or set()) - reported)
+        ]
     attempts = sorted(log_dir.glob("*/attempt_*"))
     for f in died:
         log = attempts[-1] / str(f["rank"]) / "stderr.log" if attempts else None

@@ -206,7 +206,10 @@ class World:
             if dead:
                 self._break(f"rank {dead[0]} died between calls ({self._how(ranks, dead[0])})")
         if self._holder[0] is None:
-            print(f"labkit.World: restarting {self.cfg.world_size} ranks: {self._broken}", file=sys.stderr)
+            print(
+                f"labkit.World: restarting {self.cfg.world_size} ranks: {self._broken}",
+                file=sys.stderr,
+            )
             self.restarts += 1
             self._start()
         ranks = self._holder[0]
@@ -264,7 +267,9 @@ class World:
         try:
             payload = _dumps({"fn": fn, "args": args})
         except Exception as exc:
-            raise TypeError(f"cannot send fn and args to the ranks (pickling failed): {exc}") from exc
+            raise TypeError(
+                f"cannot send fn and args to the ranks (pickling failed): {exc}"
+            ) from exc
         msg = {"kind": "run", "payload": payload, "isolate": isolate}
         return self._call(msg, timeout, quiet)
 
@@ -286,7 +291,9 @@ class World:
         for conn in ranks.conns:
             with contextlib.suppress(OSError):  # a dead rank shows up as EOF in _gather
                 conn.send(msg)
-        return self._gather(ranks, self._calls, limit, quiet=self.cfg.quiet if quiet is None else quiet)
+        return self._gather(
+            ranks, self._calls, limit, quiet=self.cfg.quiet if quiet is None else quiet
+        )
 
     def _gather(self, ranks: _Ranks, call: int, limit: float, quiet: bool) -> list[Any]:
         """Wait for every rank's reply to ``call`` while printing their output; then results
@@ -302,10 +309,10 @@ class World:
                 self._print(ranks, ends, quiet, block=0.0)
                 waiting = {ranks.conns[r]: r for r in range(n) if r not in replies}
                 waiting = {c: r for c, r in waiting.items() if r not in {d["rank"] for d in died}}
-                for conn in wait(list(waiting), timeout=0.02):
-                    rank = waiting[conn]  # type: ignore[index]
+                for ready in wait(list(waiting), timeout=0.02):
+                    rank = waiting[ready]  # type: ignore[index]
                     try:
-                        replies[rank] = conn.recv()
+                        replies[rank] = ranks.conns[rank].recv()
                     except (EOFError, OSError):
                         died.append(self._death(ranks, rank))
                     if not replies.get(rank, {"ok": False})["ok"]:
@@ -322,12 +329,18 @@ class World:
             self._finish_output(ranks, ends, replies, quiet, call)
         return self._outcome(ranks, replies, died)
 
-    def _outcome(self, ranks: _Ranks, replies: dict[int, dict[str, Any]], died: list[dict[str, Any]]) -> list[Any]:
+    def _outcome(
+        self, ranks: _Ranks, replies: dict[int, dict[str, Any]], died: list[dict[str, Any]]
+    ) -> list[Any]:
         n = self.cfg.world_size
         records = [r["error"] for r in replies.values() if not r["ok"]]
         if not records and not died and len(replies) == n:
             if all(r.get("group_intact", True) for r in replies.values()):
-                return [cloudpickle.loads(replies[r]["value"]) for r in range(n) if "value" in replies[r]]
+                return [
+                    cloudpickle.loads(replies[r]["value"])
+                    for r in range(n)
+                    if "value" in replies[r]
+                ]
             self._break("the last call destroyed the default process group")
             return [cloudpickle.loads(replies[r]["value"]) for r in range(n)]
         stuck = sorted(set(range(n)) - set(replies) - {d["rank"] for d in died})
@@ -372,23 +385,30 @@ class World:
                     os.kill(ranks.procs[rank].pid, signal.SIGINT)
             deadline = time.monotonic() + _GRACE_S
             while running and time.monotonic() < deadline:
-                for conn in wait([ranks.conns[r] for r in running], timeout=0.05):
-                    rank = ranks.conns.index(conn)  # type: ignore[arg-type]
+                for ready in wait([ranks.conns[r] for r in running], timeout=0.05):
+                    rank = ranks.conns.index(ready)  # type: ignore[arg-type]
                     with contextlib.suppress(EOFError, OSError):
-                        conn.recv()
+                        ranks.conns[rank].recv()
                         running.remove(rank)
         finally:
             if running or call == 0:
                 self._break(f"ranks {running} did not stop on the interrupt")
-                print(f"labkit.World: ranks {running} did not stop on the interrupt; the world "
-                      "was stopped and restarts on the next call", file=sys.stderr)
+                print(
+                    f"labkit.World: ranks {running} did not stop on the interrupt; the world "
+                    "was stopped and restarts on the next call",
+                    file=sys.stderr,
+                )
             else:
-                print("labkit.World: interrupted; every rank stopped, the world is still usable",
-                      file=sys.stderr)
+                print(
+                    "labkit.World: interrupted; every rank stopped, the world is still usable",
+                    file=sys.stderr,
+                )
 
     # ---- output ------------------------------------------------------------------------
 
-    def _print(self, ranks: _Ranks, ends: set[tuple[int, str, int]], quiet: bool, block: float) -> None:
+    def _print(
+        self, ranks: _Ranks, ends: set[tuple[int, str, int]], quiet: bool, block: float
+    ) -> None:
         # Printing from the caller's thread keeps the output in the running cell.
         try:
             item = ranks.lines.get(timeout=block) if block else ranks.lines.get_nowait()
@@ -408,7 +428,12 @@ class World:
         sys.stderr.flush()
 
     def _finish_output(
-        self, ranks: _Ranks, ends: set[tuple[int, str, int]], replies: dict[int, Any], quiet: bool, call: int
+        self,
+        ranks: _Ranks,
+        ends: set[tuple[int, str, int]],
+        replies: dict[int, Any],
+        quiet: bool,
+        call: int,
     ) -> None:
         """Print until every replying rank's end marks arrived: a call's lines before its result."""
         want = {(r, tag, call) for r in replies for tag in ("out", "err")}

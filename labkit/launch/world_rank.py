@@ -86,10 +86,12 @@ def _exec_cell(source: str, filename: str, ns: dict[str, Any]) -> Any:
     """Run cell source in ``ns``; return the value of its last line when that is an expression."""
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     tree = ast.parse(source, filename)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, filename, "exec"), ns)
-    if last is None:
+    last = tree.body[-1] if tree.body else None
+    if not isinstance(last, ast.Expr):
+        exec(compile(tree, filename, "exec"), ns)
         return None
+    tree.body.pop()
+    exec(compile(tree, filename, "exec"), ns)
     return eval(compile(ast.Expression(last.value), filename, "eval"), ns)
 
 
@@ -107,7 +109,9 @@ def _run_job(msg: dict[str, Any], ns: dict[str, Any], guard: _Interruptible) -> 
         guard.running = False
 
 
-def _serve_one(msg: dict[str, Any], rank: int, ns: dict[str, Any], guard: _Interruptible) -> dict[str, Any]:
+def _serve_one(
+    msg: dict[str, Any], rank: int, ns: dict[str, Any], guard: _Interruptible
+) -> dict[str, Any]:
     if msg["isolate"]:
         env, cwd = dict(os.environ), os.getcwd()
         _fresh_defaults()
