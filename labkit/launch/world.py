@@ -122,7 +122,11 @@ def _stop(holder: list[_Ranks | None]) -> None:
 
 
 class World:
-    """``world_size`` ranks that stay alive across calls. See the module docstring."""
+    """``world_size`` ranks that stay alive across calls. See the module docstring.
+
+    Create it from a thread that lives as long as it (a notebook's, a script's main thread):
+    Linux sends the ranks' death signal when the thread that started them ends.
+    """
 
     def __init__(
         self,

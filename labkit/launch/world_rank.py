@@ -73,6 +73,10 @@ def _leave_no_subgroups() -> None:
     for group in list(c10d._world.pg_map):
         if group is not default:
             dist.destroy_process_group(group)
+    with contextlib.suppress(ImportError, AttributeError):  # a private, version-dependent cache
+        from torch.distributed.device_mesh import _mesh_resources
+
+        _mesh_resources.mesh_stack.clear()
 
 
 def _fresh_defaults() -> None:
