@@ -31,12 +31,17 @@ def _shared_worlds():
         ranks.close_worlds()
 
 
+def kill_survivors(tag: str, what: str = "their job") -> None:
+    """Kill any process still tagged ``tag``, then fail naming them."""
+    survivors = processes_tagged(tag)
+    for p in survivors:
+        p.kill()
+    assert not survivors, f"processes outlived {what}: {[(p.pid, p.name()) for p in survivors]}"
+
+
 @pytest.fixture
 def job_tag():
     """A tag to pass as ``env={"LABKIT_TEST_TAG": tag}``; the test fails if any tagged process survives."""
     tag = uuid.uuid4().hex
     yield tag
-    survivors = processes_tagged(tag)
-    for p in survivors:
-        p.kill()
-    assert not survivors, f"processes outlived their job: {[(p.pid, p.name()) for p in survivors]}"
+    kill_survivors(tag)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.launch import JobTimeoutError, RankFailedError, World, WorldClosedError
-from tests.conftest import processes_tagged
+from tests.conftest import kill_survivors
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,12 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 def world_tag():
     tag = uuid.uuid4().hex
     yield tag
-    survivors = processes_tagged(tag)
-    for p in survivors:
-        p.kill()
-    assert not survivors, (
-        f"processes outlived their world: {[(p.pid, p.name()) for p in survivors]}"
-    )
+    kill_survivors(tag, "their world")
 
 
 @pytest.fixture(scope="module")
@@ -201,21 +196,27 @@ def test_two_hundred_calls_leak_no_threads_fds_or_memory(world):
     assert max(grew) < 20, f"resident memory grew by {grew} MB over 200 calls"
 
 
-def test_bad_input_and_a_closed_world_give_clear_errors(world_tag):
+def test_bad_input_gives_a_clear_error_and_leaves_the_world_alone(world):
     lock = threading.Lock()
-    w = World(1, backend="gloo", timeout=60, quiet=True, env={"LABKIT_TEST_TAG": world_tag})
+    restarts = world.restarts
     with pytest.raises(TypeError, match="pickling failed"):
-        w.run(lambda: lock.locked())  # a lock cannot travel
+        world.run(lambda: lock.locked())  # a lock cannot travel
     with pytest.raises(TypeError, match="needs a callable"):
-        w.run(42)  # type: ignore[arg-type]
-    assert w.run(_sum_of_ranks, 1) == [1.0]  # the world did not notice
+        world.run(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        world.run(_sum_of_ranks, 0, timeout=0)
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        labkit.World(0)
+    assert world.run(_sum_of_ranks, 1, quiet=True) == [2.0, 2.0] and world.restarts == restarts
+
+
+def test_a_closed_world_leaves_no_process_and_says_it_is_closed(world_tag):
+    w = World(1, backend="gloo", timeout=60, quiet=True, env={"LABKIT_TEST_TAG": world_tag})
     pids = w.pids
     w.close()
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     with pytest.raises(WorldClosedError, match=r"was closed.*labkit.World\(1\)"):
         w.run(_sum_of_ranks, 1)
-    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
-        labkit.World(0)
 
 
 def test_a_dropped_world_leaves_no_process(world_tag):
@@ -269,9 +270,7 @@ def _stuck_on_rank_0():
 
 
 def test_run_ranks_honours_timeout_and_a_broken_world_is_replaced():
-    with pytest.raises(RankFailedError):
-        run_ranks(_raise_mid_collective, world_size=2, timeout=60)
-    assert run_ranks(_sum_of_ranks, 1, world_size=2, timeout=60) == [2.0, 2.0]
+    # (a raise mid-collective and a dead rank break the world the same way: see above)
     start = time.monotonic()
     with pytest.raises(JobTimeoutError):
         run_ranks(_stuck_on_rank_0, world_size=2, timeout=3)
