@@ -388,13 +388,17 @@ class World:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(ranks.procs[rank].pid, signal.SIGINT)
             deadline = time.monotonic() + _GRACE_S
-            while running and time.monotonic() < deadline:
+            lost = False  # a rank that died of the interrupt
+            while running and not lost and time.monotonic() < deadline:
                 for ready in wait([ranks.conns[r] for r in running], timeout=0.05):
                     rank = ranks.conns.index(ready)  # type: ignore[arg-type]
-                    with contextlib.suppress(EOFError, OSError):
+                    try:
                         ranks.conns[rank].recv()
                         running.remove(rank)
+                    except (EOFError, OSError):
+                        lost = True
         finally:
+            self._print(ranks, set(), self.cfg.quiet, block=0.0)  # what the ranks said last
             if running or call == 0:
                 self._break(f"ranks {running} did not stop on the interrupt")
                 print(
