@@ -17,6 +17,8 @@ How it is built::
     print "[rankN]: ..." <---- stdout/stderr pipes <-----  output, then an end-of-call mark
     result / error record <----------------------------  reply
 
+``world_procs.py`` starts, reads and ends the processes; ``world_rank.py`` is the ranks' side.
+
 The guarantees are launch's. A rank that raises fails the call with its traceback; the world
 stays usable when every rank got back to its loop, and is otherwise stopped. A call that
 outlives its timeout gives every rank's stack and stops the world; an interrupt stops the
@@ -27,98 +29,28 @@ and the closed socket) and with the world (``close``, garbage collection, interp
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
-import queue
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
+from multiprocessing.connection import wait
 from typing import Any
 
 import cloudpickle
 
-from labkit.launch.config import _ENV_RUN_ID, JobTimeoutError, LaunchConfig, LaunchError
-from labkit.launch.launcher import _dumps, _runs_root, _worker_env
-from labkit.launch.report import _blame, _dump_stacks, _stderr_tail
-from labkit.launch.world_rank import END_MARK
+from labkit.launch.config import JobTimeoutError, LaunchConfig, LaunchError
+from labkit.launch.launcher import _dumps
+from labkit.launch.report import _blame, _dump_stacks
+from labkit.launch.world_procs import _Ranks, stop
 
-_BOOTSTRAP = (
-    "import sys; from labkit.launch.world_rank import rank_main; "
-    "rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])"
-)
 _GRACE_S = 2.0  # after one rank fails or an interrupt, how long the others get to come back
 
 
 class WorldClosedError(LaunchError):
     """The world was closed; create a new one."""
-
-
-@dataclass
-class _Ranks:
-    """One incarnation of a world's processes and the threads that read their output."""
-
-    run: Path
-    procs: list[subprocess.Popen[bytes]]
-    conns: list[Connection]
-    store: Any
-    # (rank, "out"/"err", a line of text, or None for the end mark of the call numbered last)
-    lines: queue.Queue[tuple[int, str, str | None, int]] = field(default_factory=queue.Queue)
-    tails: list[collections.deque[str]] = field(default_factory=list)
-    pumps: list[threading.Thread] = field(default_factory=list)
-
-
-def _pump(stream: Any, rank: int, tag: str, ranks: _Ranks) -> None:
-    """Forward a rank's lines; an end-of-call mark becomes ``(rank, tag, None, call)``."""
-    with open(ranks.run / f"rank{rank}.std{tag}.log", "ab") as log:
-        for raw in iter(stream.readline, b""):
-            log.write(raw)
-            line = raw.decode(errors="replace")
-            text, mark, call = line.partition(END_MARK)
-            if text:
-                ranks.lines.put((rank, tag, text if text.endswith("\n") else text + "\n", 0))
-                if tag == "err":
-                    ranks.tails[rank].append(text)
-            if mark:
-                ranks.lines.put((rank, tag, None, int(call)))
-    stream.close()
-
-
-def _stop(holder: list[_Ranks | None]) -> None:
-    """SIGKILL every rank of the incarnation in ``holder`` and reap it; close its pipes."""
-    import psutil
-
-    ranks = holder[0]
-    holder[0] = None
-    if ranks is None:
-        return
-    victims = []
-    for proc in ranks.procs:
-        with contextlib.suppress(psutil.Error):
-            victims += psutil.Process(proc.pid).children(recursive=True)
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-    for p in victims:
-        with contextlib.suppress(psutil.Error):
-            if p.environ().get(_ENV_RUN_ID) == ranks.run.name:  # never a recycled pid
-                p.kill()
-    for proc in ranks.procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-    for conn in ranks.conns:
-        conn.close()
-    for t in ranks.pumps:
-        t.join(timeout=2)
 
 
 class World:
@@ -151,7 +83,7 @@ class World:
         self._closed = False
         self._broken: str | None = None
         self._calls = 0
-        self._finalizer = weakref.finalize(self, _stop, self._holder)
+        self._finalizer = weakref.finalize(self, stop, self._holder)
         self._start()
         from labkit.launch.magic import register
 
@@ -160,42 +92,9 @@ class World:
     # ---- life --------------------------------------------------------------------------
 
     def _start(self) -> None:
-        import torch.distributed as dist
-
-        cfg = self.cfg
-        root = _runs_root()
-        root.mkdir(parents=True, exist_ok=True)
-        prefix = time.strftime("world-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-"
-        run = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-        store = dist.TCPStore(cfg.host, 0, cfg.world_size, is_master=True, wait_for_workers=False)
-        env = _worker_env(cfg, run.name)
-        env["LABKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
-        ranks = _Ranks(run, [], [], store)
+        ranks = _Ranks.spawn(self.cfg)
         self._holder[0] = ranks
-        for rank in range(cfg.world_size):
-            ours, theirs = socket.socketpair()
-            argv = [str(theirs.fileno()), str(rank), str(cfg.world_size), str(cfg.backend)]
-            argv += [f"{cfg.host}:{store.port}", str(run)]
-            ranks.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", _BOOTSTRAP, *argv],
-                    pass_fds=(theirs.fileno(),),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,  # a terminal's Ctrl-C reaches us; we decide
-                )
-            )
-            theirs.close()
-            ranks.conns.append(Connection(ours.detach()))
-            ranks.tails.append(collections.deque(maxlen=200))
-            for stream, tag in ((ranks.procs[-1].stdout, "out"), (ranks.procs[-1].stderr, "err")):
-                ranks.pumps.append(
-                    threading.Thread(target=_pump, args=(stream, rank, tag, ranks), daemon=True)
-                )
-                ranks.pumps[-1].start()
-        self._gather(ranks, 0, max(120.0, cfg.timeout), quiet=cfg.quiet)
+        self._gather(ranks, 0, max(120.0, self.cfg.timeout), quiet=self.cfg.quiet)
 
     def _ensure(self) -> _Ranks:
         """The live incarnation: raise if closed, restart if broken or a rank has died."""
@@ -208,7 +107,7 @@ class World:
         if ranks is not None:
             dead = [r for r, p in enumerate(ranks.procs) if p.poll() is not None]
             if dead:
-                self._break(f"rank {dead[0]} died between calls ({self._how(ranks, dead[0])})")
+                self._break(f"rank {dead[0]} died between calls ({ranks.how(dead[0])})")
         if self._holder[0] is None:
             print(
                 f"labkit.World: restarting {self.cfg.world_size} ranks: {self._broken}",
@@ -222,7 +121,7 @@ class World:
 
     def _break(self, reason: str) -> None:
         self._broken = reason
-        _stop(self._holder)
+        stop(self._holder)
 
     def close(self) -> None:
         """End every rank now. Calling the world afterwards raises :class:`WorldClosedError`."""
@@ -310,7 +209,7 @@ class World:
         first_failure: float | None = None
         try:
             while len(replies) + len(died) < n:
-                self._print(ranks, ends, quiet, block=0.0)
+                ranks.print(ends, quiet, block=0.0)
                 waiting = {ranks.conns[r]: r for r in range(n) if r not in replies}
                 waiting = {c: r for c, r in waiting.items() if r not in {d["rank"] for d in died}}
                 for ready in wait(list(waiting), timeout=0.02):
@@ -318,7 +217,7 @@ class World:
                     try:
                         replies[rank] = ranks.conns[rank].recv()
                     except (EOFError, OSError):
-                        died.append(self._death(ranks, rank))
+                        died.append(ranks.death(rank))
                     if not replies.get(rank, {"ok": False})["ok"]:
                         first_failure = first_failure or time.monotonic()
                 now = time.monotonic()
@@ -330,7 +229,7 @@ class World:
             self._interrupt(ranks, replies, call)
             raise
         if call:
-            self._finish_output(ranks, ends, replies, quiet, call)
+            ranks.finish_output(ends, replies, quiet, call)
         return self._outcome(ranks, replies, died)
 
     def _outcome(
@@ -354,23 +253,6 @@ class World:
         failure = _blame(records, died, ranks.run)
         assert failure is not None
         raise failure
-
-    def _death(self, ranks: _Ranks, rank: int) -> dict[str, Any]:
-        proc = ranks.procs[rank]
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=2)
-        time.sleep(0.05)  # let the pump read the last of its stderr
-        code = proc.returncode
-        return {
-            "rank": rank,
-            "exitcode": code,
-            "signal": signal.Signals(-code).name if code is not None and code < 0 else "",
-            "stderr": _stderr_tail("".join(ranks.tails[rank]), entry="_run_job"),
-        }
-
-    def _how(self, ranks: _Ranks, rank: int) -> str:
-        code = ranks.procs[rank].returncode
-        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
     def _timeout(self, ranks: _Ranks, limit: float) -> None:
         for rank in range(self.cfg.world_size):
@@ -398,7 +280,7 @@ class World:
                     except (EOFError, OSError):
                         lost = True
         finally:
-            self._print(ranks, set(), self.cfg.quiet, block=0.0)  # what the ranks said last
+            ranks.print(set(), self.cfg.quiet, block=0.0)  # what the ranks said last
             if running or call == 0:
                 self._break(f"ranks {running} did not stop on the interrupt")
                 print(
@@ -411,41 +293,3 @@ class World:
                     "labkit.World: interrupted; every rank stopped, the world is still usable",
                     file=sys.stderr,
                 )
-
-    # ---- output ------------------------------------------------------------------------
-
-    def _print(
-        self, ranks: _Ranks, ends: set[tuple[int, str, int]], quiet: bool, block: float
-    ) -> None:
-        # Printing from the caller's thread keeps the output in the running cell.
-        try:
-            item = ranks.lines.get(timeout=block) if block else ranks.lines.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            rank, tag, text, call = item
-            if text is None:
-                ends.add((rank, tag, call))
-            elif not quiet:
-                (sys.stdout if tag == "out" else sys.stderr).write(f"[rank{rank}]: {text}")
-            try:
-                item = ranks.lines.get_nowait()
-            except queue.Empty:
-                break
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-    def _finish_output(
-        self,
-        ranks: _Ranks,
-        ends: set[tuple[int, str, int]],
-        replies: dict[int, Any],
-        quiet: bool,
-        call: int,
-    ) -> None:
-        """Print until every replying rank's end marks arrived: a call's lines before its result."""
-        want = {(r, tag, call) for r in replies for tag in ("out", "err")}
-        deadline = time.monotonic() + 1.0
-        while not want <= ends and time.monotonic() < deadline:
-            self._print(ranks, ends, quiet, block=0.01)
-        self._print(ranks, ends, quiet, block=0.0)
