@@ -1,8 +1,10 @@
-"""Launch overhead: labkit.launch against `torchrun --standalone`, the same work, the same run.
+"""Launch overhead: a warm labkit.World, labkit.launch and `torchrun --standalone`, the same
+work, the same run.
 
-Both start 2 gloo ranks that initialise the process group, all-reduce one tensor and exit.
-Wall time from the call to the results, median of interleaved repeats. Also measures the time
-from a rank raising to the exception in the caller.
+launch and torchrun start 2 gloo ranks that initialise the process group, all-reduce one tensor
+and exit; ``world.run`` sends the same all-reduce to 2 ranks that are already up. Wall time from
+the call to the results, median of interleaved repeats (plus a median of 200 back-to-back
+``world.run`` calls). Also measures the time from a rank raising to the exception in the caller.
 
     .venv/bin/python benchmarks/bench_launch.py [--repeats 5] [--world-size 2]
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.launch import RankFailedError
+from labkit.measure.timing import interleaved_times, spread
 
 TORCHRUN_SCRIPT = textwrap.dedent(
     """
@@ -48,6 +52,12 @@ def fail_on_rank_1() -> None:
     dist.all_reduce(torch.ones(1))
 
 
+def time_world(world: labkit.World) -> float:
+    start = time.perf_counter()
+    world.run(work, quiet=True)
+    return time.perf_counter() - start
+
+
 def time_labkit(world_size: int) -> float:
     start = time.perf_counter()
     labkit.launch(work, world_size=world_size, quiet=True)
@@ -56,7 +66,14 @@ def time_labkit(world_size: int) -> float:
 
 def time_torchrun(script: Path, world_size: int) -> float:
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world_size}",
+        str(script),
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     return time.perf_counter() - start
 
@@ -66,32 +83,49 @@ def time_failure(world_size: int, log_dir: Path) -> float:
         labkit.launch(fail_on_rank_1, world_size=world_size, quiet=True, log_dir=log_dir)
     except RankFailedError as err:
         caught = time.time()
-        record = json.loads(next(p for p in (err.log_dir or log_dir).parent.glob("error.1.json")).read_text())
+        record = json.loads(
+            next(p for p in (err.log_dir or log_dir).parent.glob("error.1.json")).read_text()
+        )
         return caught - record["time"]
     raise AssertionError("the job did not fail")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    n = args.world_size
+    start = time.perf_counter()
+    world = labkit.World(n, backend="gloo", quiet=True)
+    world_start = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp, world:
         script = Path(tmp) / "allreduce.py"
         script.write_text(TORCHRUN_SCRIPT)
-        time_labkit(args.world_size)  # warm the page cache for both
-        time_torchrun(script, args.world_size)
-        ours, theirs, failures = [], [], []
-        for _ in range(args.repeats):
-            ours.append(time_labkit(args.world_size))
-            theirs.append(time_torchrun(script, args.world_size))
-            failures.append(time_failure(args.world_size, Path(tmp) / "runs"))
-    o, t = statistics.median(ours), statistics.median(theirs)
-    print(f"{args.world_size}-rank launch, median of {args.repeats} (torch {torch.__version__}, CPU gloo)")
-    print(f"  labkit.launch           {o:6.2f} s")
-    print(f"  torchrun --standalone   {t:6.2f} s")
-    print(f"  ours/torchrun           {o / t:6.2f}x")
-    print(f"  rank raises -> exception in caller: median {statistics.median(failures) * 1000:.0f} ms, max {max(failures) * 1000:.0f} ms")
+        times = interleaved_times(
+            {
+                "world.run": lambda: time_world(world),
+                "launch": lambda: time_labkit(n),
+                "torchrun": lambda: time_torchrun(script, n),
+            },
+            steps=args.repeats,
+            warmup=1,  # warms the page cache for every contender
+        )
+        burst = [time_world(world) for _ in range(200)]
+        failures = [time_failure(n, Path(tmp) / "runs") for _ in range(args.repeats)]
+    w, o, t = (statistics.median(times[k]) for k in ("world.run", "launch", "torchrun"))
+    print(f"{n}-rank round trip of an all-reduce, median of {args.repeats} interleaved rounds")
+    print(f"(torch {torch.__version__}, CPU gloo, {os.cpu_count()} cores)")
+    print(f"  world.run (warm World)  {w * 1e3:8.1f} ms   200 in a row: {spread(burst)}")
+    print(f"  labkit.launch           {o * 1e3:8.1f} ms")
+    print(f"  torchrun --standalone   {t * 1e3:8.1f} ms")
+    print(f"  launch/torchrun         {o / t:8.2f}x")
+    print(f"  world.run/torchrun      {w / t:8.4f}x   (launch/world.run: {o / w:.0f}x)")
+    print(f"  starting the World once {world_start * 1e3:8.1f} ms")
+    med, worst = statistics.median(failures) * 1000, max(failures) * 1000
+    print(f"  rank raises -> exception in caller: median {med:.0f} ms, max {worst:.0f} ms")
 
 
 if __name__ == "__main__":

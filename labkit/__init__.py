@@ -4,6 +4,7 @@ The folder layout is the syllabus; start with :mod:`labkit.launch`.
 """
 
 from labkit import launch  # a callable package: labkit.launch(fn, *args, world_size=2)
+from labkit.launch.world import World  # ranks that stay alive across calls and cells
 
-__all__ = ["launch"]
+__all__ = ["World", "launch"]
 __version__ = "0.1.0"

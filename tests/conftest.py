@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 
 import psutil
@@ -21,12 +22,26 @@ def processes_tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_worlds():
+    """run_ranks' warm worlds live for the session and end with it."""
+    yield
+    ranks = sys.modules.get("tests.ranks")  # imported only by tests that run ranks
+    if ranks is not None:
+        ranks.close_worlds()
+
+
+def kill_survivors(tag: str, what: str = "their job") -> None:
+    """Kill any process still tagged ``tag``, then fail naming them."""
+    survivors = processes_tagged(tag)
+    for p in survivors:
+        p.kill()
+    assert not survivors, f"processes outlived {what}: {[(p.pid, p.name()) for p in survivors]}"
+
+
 @pytest.fixture
 def job_tag():
     """A tag to pass as ``env={"LABKIT_TEST_TAG": tag}``; the test fails if any tagged process survives."""
     tag = uuid.uuid4().hex
     yield tag
-    survivors = processes_tagged(tag)
-    for p in survivors:
-        p.kill()
-    assert not survivors, f"processes outlived their job: {[(p.pid, p.name()) for p in survivors]}"
+    kill_survivors(tag)

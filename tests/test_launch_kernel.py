@@ -48,7 +48,7 @@ def run_cell(kc, code: str, timeout: float = 120.0, on_output=None):
 
 def test_cell_defined_function_class_and_helper_run_on_ranks_with_live_output(kernel):
     _, kc = kernel
-    code = '''
+    code = """
 import time, torch, torch.distributed as dist
 import labkit
 from torch import nn
@@ -72,7 +72,7 @@ def work(n):
 
 results = labkit.launch(work, 3, world_size=2, timeout=60)
 print("RESULTS", results)
-'''
+"""
     reply, streams = run_cell(kc, code)
     assert reply["status"] == "ok", reply
     text = "".join(s for _, s in streams)
@@ -86,7 +86,7 @@ print("RESULTS", results)
 
 def test_rank_traceback_shows_the_cells_own_source(kernel):
     _, kc = kernel
-    code = '''
+    code = """
 from labkit.launch import RankFailedError
 def explode():
     if dist.get_rank() == 1:
@@ -98,7 +98,7 @@ try:
 except RankFailedError as e:
     print("RANK", e.rank, e.exc_type)
     print(e.rank_traceback)
-'''
+"""
     reply, streams = run_cell(kc, code)
     assert reply["status"] == "ok", reply
     text = "".join(s for _, s in streams)
@@ -109,7 +109,10 @@ except RankFailedError as e:
 def test_stop_button_kills_every_rank_and_kernel_stays_healthy(kernel):
     km, kc = kernel
     tag = uuid.uuid4().hex
-    reply, _ = run_cell(kc, "import signal, os\nbefore = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}\nenv_before = dict(os.environ)")
+    reply, _ = run_cell(
+        kc,
+        "import signal, os\nbefore = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}\nenv_before = dict(os.environ)",
+    )
     assert reply["status"] == "ok"
     code = f'''
 def sleepy():
@@ -131,6 +134,62 @@ labkit.launch(sleepy, world_size=2, timeout=300, env={{"LABKIT_TEST_TAG": "{tag}
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
     assert time.monotonic() - interrupted[0] < 15
     assert not processes_tagged(tag), "ranks survived the interrupt"
-    reply, streams = run_cell(kc, "print(before == {s: signal.getsignal(s) for s in before}, env_before == dict(os.environ), 6 * 7)")
+    reply, streams = run_cell(
+        kc,
+        "print(before == {s: signal.getsignal(s) for s in before}, env_before == dict(os.environ), 6 * 7)",
+    )
     assert reply["status"] == "ok"
     assert "True True 42" in "".join(s for _, s in streams)
+
+
+def test_world_in_a_kernel_keeps_rank_state_across_ranks_cells_and_dies_with_the_kernel():
+    """%%ranks cells share each rank's namespace; the stop button keeps the world; killing
+    the kernel ends every rank (PR_SET_PDEATHSIG), with no close() ever called."""
+    tag = uuid.uuid4().hex
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        reply, _ = run_cell(
+            kc,
+            "import labkit\n"
+            f'world = labkit.World(2, backend="gloo", env={{"LABKIT_TEST_TAG": "{tag}"}})',
+        )
+        assert reply["status"] == "ok", reply
+        reply, _ = run_cell(
+            kc, "%%ranks\nimport time\nt = torch.full((2,), float(rank))\ndist.all_reduce(t)"
+        )
+        assert reply["status"] == "ok", reply
+        reply, streams = run_cell(kc, "%%ranks\nprint('on rank', rank)\nt * (rank + 1)")
+        text = "".join(s for _, s in streams)
+        assert reply["status"] == "ok", reply
+        assert "[rank1]: on rank 1" in text and "[rank1]: tensor([2., 2.])" in text  # rank 1's t
+        assert "[rank0]: tensor([1., 1.])" in text
+
+        interrupted: list[float] = []
+
+        def on_output(text):
+            if "ready" in text and not interrupted:
+                interrupted.append(time.monotonic())
+                km.interrupt_kernel()
+
+        reply, _ = run_cell(
+            kc,
+            "%%ranks\nprint('ready', flush=True)\ntime.sleep(600)",
+            timeout=60,
+            on_output=on_output,
+        )
+        assert interrupted and reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+        assert time.monotonic() - interrupted[0] < 15
+        reply, streams = run_cell(kc, "%%ranks\nt.sum()")
+        assert reply["status"] == "ok" and "[rank1]: tensor(2.)" in "".join(s for _, s in streams)
+
+        reply, _ = run_cell(kc, "%%ranks\nraise ValueError('cell fails on rank ' + str(rank))")
+        assert reply["status"] == "error" and reply["ename"] == "RankFailedError"
+        assert "cell fails on rank" in reply["evalue"]
+        assert len(processes_tagged(tag)) == 2
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    deadline = time.monotonic() + 10
+    while processes_tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not processes_tagged(tag), "ranks outlived their kernel"

@@ -31,7 +31,9 @@ Under ``torchrun`` the same worker functions run unchanged through :func:`run_fr
 
 Read in this order: ``config.py`` (what a launch is asked to do, its errors), ``launcher.py``
 (the caller's side), ``agent.py`` (the elastic agent), ``rank.py`` (what runs on a rank),
-``report.py`` (who to blame when it fails, and where each rank was stuck).
+``report.py`` (who to blame when it fails, and where each rank was stuck). ``world.py`` and
+``world_rank.py`` keep ranks alive across calls (:class:`World`, the ``%%ranks`` magic of
+``magic.py``) with the same guarantees, reusing the pieces above.
 """
 
 import sys
@@ -48,12 +50,15 @@ from labkit.launch.config import (
 )
 from labkit.launch.launcher import launch
 from labkit.launch.rank import local_device, run_from_env, seed_everything
+from labkit.launch.world import World, WorldClosedError
 
 __all__ = [
     "JobTimeoutError",
     "LaunchConfig",
     "LaunchError",
     "RankFailedError",
+    "World",
+    "WorldClosedError",
     "choose_backend",
     "describe_machine",
     "launch",

@@ -55,7 +55,11 @@ def _agent_main(run_dir: str, parent_pid: int) -> int:
         elastic_launch(config, _worker)(run_dir)
     except ChildFailedError as exc:
         died = [
-            {"rank": rank, "exitcode": f.exitcode, "signal": f.signal_name() if f.exitcode < 0 else ""}
+            {
+                "rank": rank,
+                "exitcode": f.exitcode,
+                "signal": f.signal_name() if f.exitcode < 0 else "",
+            }
             for rank, f in sorted(exc.failures.items())
         ]
         _write_json_atomic(run / "agent_failures.json", {"failures": died})

@@ -58,7 +58,9 @@ class JobTimeoutError(LaunchError):
     def __init__(self, timeout: float, stacks: dict[int, str], log_dir: Path | None):
         self.timeout = timeout
         self.stacks = stacks
-        parts = [f"job still running after timeout={timeout:g}s; every rank's stack at that moment:"]
+        parts = [
+            f"job still running after timeout={timeout:g}s; every rank's stack at that moment:"
+        ]
         for rank in sorted(stacks):
             parts.append(f"\n--- rank {rank} ---\n{stacks[rank].rstrip() or '(no stack captured)'}")
         parts.append(f"\nlogs: {log_dir}")
@@ -99,11 +101,15 @@ class LaunchConfig:
         if self.collective_timeout is None:
             self.collective_timeout = float(self.timeout)
         elif not self.collective_timeout > 0:
-            raise ValueError(f"collective_timeout must be positive, got {self.collective_timeout!r}")
+            raise ValueError(
+                f"collective_timeout must be positive, got {self.collective_timeout!r}"
+            )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.start_method not in ("spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method must be spawn, fork or forkserver, got {self.start_method!r}")
+            raise ValueError(
+                f"start_method must be spawn, fork or forkserver, got {self.start_method!r}"
+            )
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         self.backend = choose_backend(self.world_size, self.backend)

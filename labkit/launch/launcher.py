@@ -75,7 +75,9 @@ def _dumps(job: dict[str, Any]) -> bytes:
     sources = {
         name: (len("".join(entry[2])), None, entry[2], name)
         for name in pickler.filenames
-        if (entry := linecache.cache.get(name)) is not None and len(entry) == 4 and not os.path.exists(name)
+        if (entry := linecache.cache.get(name)) is not None
+        and len(entry) == 4
+        and not os.path.exists(name)
     }
     return buffer.getvalue() + cloudpickle.dumps(sources)
 
@@ -153,6 +155,171 @@ def _pump(stream: Any, tag: str, lines: queue.Queue[tuple[str, str]]) -> None:
     stream.close()
 
 
+def _worker_env(cfg: LaunchConfig, run_id: str) -> dict[str, str]:
+    """The environment of a job's processes: the caller's, plus line-unbuffered output, a
+    fair share of the cores per rank, this labkit on the path, and the run id that marks
+    every process of the job (the tree kill checks it before killing a pid)."""
+    cores = os.cpu_count() or 1
+    threads = cfg.threads_per_rank or max(1, cores // cfg.world_size)
+    env = {
+        **os.environ,
+        **cfg.env,
+        _ENV_RUN_ID: run_id,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(threads),
+        # The agent should never see the kernel's signal bookkeeping.
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    }
+    # Make sure the agent imports *this* labkit, even from a notebook's working directory.
+    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class _Job:
+    """One launch in flight: the agent subprocess, its output, and the files its ranks write
+    in ``run`` (results, error records, pids). ``watch`` is the loop; the rest serves it."""
+
+    def __init__(self, cfg: LaunchConfig, run: Path):
+        self.cfg = cfg
+        self.run = run
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _AGENT_BOOTSTRAP,
+                str(run),
+                str(os.getpid()),
+                str(cfg.start_method),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=_worker_env(cfg, run.name),
+            start_new_session=True,  # a terminal's Ctrl-C reaches us, and we decide what dies
+        )
+        self.lines: queue.Queue[tuple[str, str]] = queue.Queue()
+        self.pumps = [
+            threading.Thread(target=_pump, args=(self.proc.stdout, "out", self.lines), daemon=True),
+            threading.Thread(target=_pump, args=(self.proc.stderr, "err", self.lines), daemon=True),
+        ]
+        for t in self.pumps:
+            t.start()
+        self.agent_noise: list[str] = []
+        self.echoed: dict[tuple[int, str], int] = {}  # (rank, "out"/"err") -> lines shown
+        self.first_failure: float | None = None
+        self.silent_dead: set[int] = set()
+
+    def watch(self) -> None:
+        """Print output until every rank's result is on disk, a failure is final, or the
+        deadline passes (``JobTimeoutError`` with every rank's stack)."""
+        deadline = time.monotonic() + self.cfg.timeout
+        while self.proc.poll() is None:
+            self.drain(0.05)
+            if time.monotonic() > deadline:
+                raise JobTimeoutError(
+                    self.cfg.timeout, _dump_stacks(self.run, self.cfg.world_size), self.run / "logs"
+                )
+            if self.failure_settled():
+                return
+            # Done once every rank's result is on disk: the agent's own shutdown (exit
+            # barrier, log tailers, interpreter exit) adds seconds and nothing we need.
+            if (
+                not self.cfg.max_restarts
+                and len(_finished(self.run, self.cfg.world_size)) == self.cfg.world_size
+            ):
+                return
+
+    def failure_settled(self) -> bool:
+        """Fail fast: True once a rank has failed for good and the culprit has had its say.
+
+        After a collateral error ("connection closed by peer") the culprit may still be busy
+        in its own teardown: wait while a rank that has not reported is alive, up to a cap.
+        """
+        records = _error_records(self.run)
+        if not (records and _final_failure(records, self.cfg.max_restarts)):
+            return False
+        self.first_failure = self.first_failure or time.monotonic()
+        if any(not r["collateral"] for r in records):  # pending ones count here
+            return True
+        waited = time.monotonic() - self.first_failure
+        if waited > 10.0:
+            return True
+        reported = {r["rank"] for r in records} | _finished(self.run, self.cfg.world_size)
+        silent = set(range(self.cfg.world_size)) - reported
+        if _any_alive(self.run, silent):
+            return False
+        # Someone vanished without a word (SIGKILL, OOM, a native abort): give the agent a
+        # moment to record how it died, so the message can name the signal.
+        self.silent_dead = silent
+        return (self.run / "agent_failures.json").exists() or waited > 3.0
+
+    def drain(self, block_for: float) -> None:
+        # Printing from this (the caller's) thread keeps output in the running cell.
+        try:
+            tag, line = self.lines.get(timeout=block_for)
+        except queue.Empty:
+            return
+        while True:
+            if m := _RANK_PREFIX.match(line):
+                self.echoed[int(m[1]), tag] = self.echoed.get((int(m[1]), tag), 0) + 1
+                if not self.cfg.quiet:
+                    (sys.stdout if tag == "out" else sys.stderr).write(line)
+            else:
+                self.agent_noise.append(line)
+            try:
+                tag, line = self.lines.get_nowait()
+            except queue.Empty:
+                break
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    def catch_up(self) -> None:
+        # The job may be reaped before the agent's tee shows the last lines: print what the
+        # rank logs hold beyond what was echoed. (Restarts make the counts ambiguous: skip.)
+        attempts = sorted(self.run.glob("logs/*/attempt_*"))
+        if self.cfg.quiet or self.cfg.max_restarts or not attempts:
+            return
+        for rank in range(self.cfg.world_size):
+            for tag, stream in (("out", sys.stdout), ("err", sys.stderr)):
+                path = attempts[-1] / str(rank) / f"std{tag}.log"
+                if path.exists():
+                    lines = path.read_text(errors="replace").splitlines(keepends=True)
+                    for line in lines[self.echoed.get((rank, tag), 0) :]:
+                        stream.write(f"[rank{rank}]: {line}")
+                stream.flush()
+
+    def stop(self) -> None:
+        """Every way out (done, failed, timed out, interrupted) ends the whole job here; this
+        also reaps ranks of an agent that exited on its own."""
+        _kill_tree(self.proc, self.run)
+        for t in self.pumps:
+            t.join(timeout=2)
+        self.drain(0)
+        self.catch_up()
+
+    def results(self) -> list[Any]:
+        """The per-rank results, or the error that explains why there are none."""
+        run, world_size = self.run, self.cfg.world_size
+        done = len(_finished(run, world_size)) == world_size
+        if self.first_failure is not None or (self.proc.returncode != 0 and not done):
+            failure = _root_cause(run, run / "logs", self.silent_dead)
+            if failure is not None:
+                raise failure
+            agent_error = run / "agent_error.txt"
+            detail = (
+                agent_error.read_text() if agent_error.exists() else "".join(self.agent_noise[-40:])
+            )
+            raise LaunchError(
+                f"the job failed before any rank reported an error:\n{detail}", run / "logs"
+            )
+        results = []
+        for rank in range(world_size):
+            with open(run / f"result.{rank}.pkl", "rb") as f:
+                results.append(cloudpickle.load(f))
+        return results
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
@@ -172,137 +339,28 @@ def launch(
     outlives ``timeout`` seconds, ``KeyboardInterrupt`` when interrupted (all ranks killed).
     """
     if not callable(fn):
-        raise TypeError(f"launch() needs a callable as its first argument, got {type(fn).__name__}: {fn!r}")
+        raise TypeError(
+            f"launch() needs a callable as its first argument, got {type(fn).__name__}: {fn!r}"
+        )
     cfg = LaunchConfig(world_size=world_size, backend=backend, timeout=timeout, **options)
 
     root = Path(cfg.log_dir) if cfg.log_dir is not None else _runs_root()
     root.mkdir(parents=True, exist_ok=True)
     _prune_old_runs(root)
-    run = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-", dir=root))
+    run = Path(
+        tempfile.mkdtemp(
+            prefix=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-", dir=root
+        )
+    )
     try:
         payload = _dumps({"fn": fn, "args": args, "config": cfg})
     except Exception as exc:
         raise TypeError(f"cannot send fn and args to the ranks (pickling failed): {exc}") from exc
     (run / _JOB_FILE).write_bytes(payload)
 
-    cores = os.cpu_count() or 1
-    threads = cfg.threads_per_rank or max(1, cores // cfg.world_size)
-    env = {
-        **os.environ,
-        **cfg.env,
-        _ENV_RUN_ID: run.name,
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": str(threads),
-        # The agent should never see the kernel's signal bookkeeping.
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-    }
-    # Make sure the agent imports *this* labkit, even from a notebook's working directory.
-    pkg_parent = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
-
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _AGENT_BOOTSTRAP, str(run), str(os.getpid()), str(cfg.start_method)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,  # a terminal's Ctrl-C reaches us, and we decide what dies
-    )
-    lines: queue.Queue[tuple[str, str]] = queue.Queue()
-    pumps = [
-        threading.Thread(target=_pump, args=(proc.stdout, "out", lines), daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, "err", lines), daemon=True),
-    ]
-    for t in pumps:
-        t.start()
-
-    agent_noise: list[str] = []
-    echoed: dict[tuple[int, str], int] = {}  # (rank, "out"/"err") -> lines shown so far
-
-    def drain(block_for: float) -> None:
-        # Printing from this (the caller's) thread keeps output in the running cell.
-        try:
-            tag, line = lines.get(timeout=block_for)
-        except queue.Empty:
-            return
-        while True:
-            if m := _RANK_PREFIX.match(line):
-                echoed[int(m[1]), tag] = echoed.get((int(m[1]), tag), 0) + 1
-                if not cfg.quiet:
-                    (sys.stdout if tag == "out" else sys.stderr).write(line)
-            else:
-                agent_noise.append(line)
-            try:
-                tag, line = lines.get_nowait()
-            except queue.Empty:
-                break
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-    def catch_up() -> None:
-        # The job may be reaped before the agent's tee shows the last lines: print what the
-        # rank logs hold beyond what was echoed. (Restarts make the counts ambiguous: skip.)
-        attempts = sorted(run.glob("logs/*/attempt_*"))
-        if cfg.quiet or cfg.max_restarts or not attempts:
-            return
-        for rank in range(cfg.world_size):
-            for tag, stream in (("out", sys.stdout), ("err", sys.stderr)):
-                path = attempts[-1] / str(rank) / f"std{tag}.log"
-                if path.exists():
-                    for line in path.read_text(errors="replace").splitlines(keepends=True)[echoed.get((rank, tag), 0) :]:
-                        stream.write(f"[rank{rank}]: {line}")
-                stream.flush()
-
-    deadline = time.monotonic() + cfg.timeout
-    first_failure: float | None = None
-    silent_dead: set[int] = set()
+    job = _Job(cfg, run)
     try:
-        while proc.poll() is None:
-            drain(0.05)
-            if time.monotonic() > deadline:
-                raise JobTimeoutError(cfg.timeout, _dump_stacks(run, cfg.world_size), run / "logs")
-            # Fail fast: once a rank has failed for good, kill everything now rather than
-            # wait for the agent's polite shutdown. After a collateral error ("connection
-            # closed by peer") the culprit may still be busy in its own teardown: wait while
-            # a rank that has not reported is alive, up to a cap.
-            records = _error_records(run)
-            if records and _final_failure(records, cfg.max_restarts):
-                first_failure = first_failure or time.monotonic()
-                genuine = any(not r["collateral"] for r in records)  # pending ones count here
-                silent = set(range(cfg.world_size)) - {r["rank"] for r in records} - _finished(run, cfg.world_size)
-                waited = time.monotonic() - first_failure
-                if genuine or waited > 10.0:
-                    break
-                if not _any_alive(run, silent):
-                    # Someone vanished without a word (SIGKILL, OOM): give the agent a moment
-                    # to record how it died, so the message can name the signal.
-                    silent_dead = silent
-                    if (run / "agent_failures.json").exists() or waited > 3.0:
-                        break
-            # Done once every rank's result is on disk: the agent's own shutdown (exit
-            # barrier, log tailers, interpreter exit) adds seconds and nothing we need.
-            if not cfg.max_restarts and len(_finished(run, cfg.world_size)) == cfg.world_size:
-                break
+        job.watch()
     finally:
-        # Every way out (done, failed, timed out, interrupted) ends the whole job here; this
-        # also reaps ranks of an agent that exited on its own.
-        _kill_tree(proc, run)
-        for t in pumps:
-            t.join(timeout=2)
-        drain(0)
-        catch_up()
-
-    done = len(_finished(run, cfg.world_size)) == cfg.world_size
-    if first_failure is not None or (proc.returncode != 0 and not done):
-        failure = _root_cause(run, run / "logs", silent_dead)
-        if failure is not None:
-            raise failure
-        agent_error = run / "agent_error.txt"
-        detail = agent_error.read_text() if agent_error.exists() else "".join(agent_noise[-40:])
-        raise LaunchError(f"the job failed before any rank reported an error:\n{detail}", run / "logs")
-
-    results = []
-    for rank in range(cfg.world_size):
-        with open(run / f"result.{rank}.pkl", "rb") as f:
-            results.append(cloudpickle.load(f))
-    return results
+        job.stop()
+    return job.results()

@@ -80,7 +80,12 @@ def _init_process_group(backend: str, timeout: float) -> None:
         # group reads the dead attempt's gloo addresses and fails with "connection refused".
         store = dist.PrefixStore(
             f"labkit/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit),
+            dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=limit,
+            ),
         )
         dist.init_process_group(
             backend=backend,
@@ -93,7 +98,9 @@ def _init_process_group(backend: str, timeout: float) -> None:
         dist.init_process_group(backend=backend, timeout=limit)
 
 
-def run_from_env(fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout: float = 1800.0) -> Any:
+def run_from_env(
+    fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout: float = 1800.0
+) -> Any:
     """Run ``fn(*args)`` on this process as one rank of a ``torchrun`` job.
 
     ``torchrun --nproc-per-node 4 -m labkit.labs.mnist`` ends up here: the environment
@@ -140,26 +147,29 @@ def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _error_record(rank: int, exc: BaseException, *, pending: bool = False) -> dict[str, Any]:
+    """What the caller needs to blame a rank: type, message, traceback, collateral or not."""
+    # Drop labkit's own launch frames: the traceback starts in the learner's code.
+    here = os.path.dirname(__file__)
+    tb = exc.__traceback__
+    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == here:
+        tb = tb.tb_next
+    return {
+        "rank": rank,
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
+        "collateral": _is_collateral(exc),
+        "pending": pending,
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    }
+
+
 def _report(run: Path, rank: int, exc: BaseException, *, pending: bool = False) -> None:
     """Write ``error.N.json`` (or ``error.N.pending.json`` for an exception still in flight)."""
-    # Drop labkit's own frames: the traceback starts in the learner's code.
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
     name = f"error.{rank}.pending.json" if pending else f"error.{rank}.json"
-    _write_json_atomic(
-        run / name,
-        {
-            "rank": rank,
-            "time": time.time(),
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
-            "collateral": _is_collateral(exc),
-            "pending": pending,
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        },
-    )
+    _write_json_atomic(run / name, _error_record(rank, exc, pending=pending))
 
 
 def _report_before_teardown(run: Path, rank: int) -> None:

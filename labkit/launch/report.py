@@ -17,8 +17,11 @@ from typing import Any
 from labkit.launch.config import RankFailedError
 
 
-def _dump_stacks(run: Path, world_size: int, wait: float = 1.5) -> dict[int, str]:
-    """SIGUSR1 every rank (faulthandler writes its stack), then read what they wrote."""
+def _dump_stacks(
+    run: Path, world_size: int, wait: float = 1.5, entry: str = "_worker"
+) -> dict[int, str]:
+    """SIGUSR1 every rank (faulthandler writes its stack to ``stack.N.txt``), then read what
+    they wrote. ``entry`` is the labkit function that calls the learner's code."""
     for rank in range(world_size):
         with contextlib.suppress(ValueError, OSError, ProcessLookupError):
             os.kill(int((run / f"pid.{rank}").read_text()), signal.SIGUSR1)
@@ -29,14 +32,16 @@ def _dump_stacks(run: Path, world_size: int, wait: float = 1.5) -> dict[int, str
         for rank in range(world_size):
             path = run / f"stack.{rank}.txt"
             stacks[rank] = path.read_text() if path.exists() else ""
-        if all(s.rstrip().endswith(("in _worker", "(most recent call first):")) or "_worker" in s for s in stacks.values()):
+        if all(
+            entry in s or s.rstrip().endswith("(most recent call first):") for s in stacks.values()
+        ):
             break
         time.sleep(0.05)
-    return {rank: _trim_stack(text) for rank, text in stacks.items()}
+    return {rank: _trim_stack(text, entry) for rank, text in stacks.items()}
 
 
-def _trim_stack(text: str) -> str:
-    """Keep each thread's frames down to labkit's ``_worker``: below it is only machinery."""
+def _trim_stack(text: str, entry: str = "_worker") -> str:
+    """Keep each thread's frames down to labkit's ``entry``: below it is only machinery."""
     kept: list[str] = []
     skipping = False
     for line in text.splitlines():
@@ -44,7 +49,7 @@ def _trim_stack(text: str) -> str:
             skipping = False
         elif skipping:
             continue
-        elif "labkit" in line and line.rstrip().endswith("in _worker"):
+        elif "labkit" in line and line.rstrip().endswith(f"in {entry}"):
             skipping = True
             continue
         kept.append(line)
@@ -68,50 +73,103 @@ def _final_failure(records: list[dict[str, Any]], max_restarts: int) -> bool:
     return any(r["restart"] >= max_restarts and not r.get("pending") for r in records)
 
 
-def _root_cause(run: Path, log_dir: Path, silent_dead: set[int] | None = None) -> RankFailedError | None:
+def _stderr_tail(text: str, entry: str = "_worker", max_lines: int = 30) -> str:
+    """The last meaningful lines of a rank that died in native code.
+
+    A native abort leaves, at the end of the rank's stderr, the library's own message (gloo's
+    "Received data size doesn't match expected size...") and then faulthandler's report
+    ("Fatal Python error: Aborted" and every thread's frames). Keep from a few lines before
+    that report to its end, drop the machinery below ``entry`` and the list of extension
+    modules; without such a report, keep the last non-blank lines.
+    """
+    lines = [line for line in text.splitlines() if line.strip()]
+    cut = next((i for i, line in enumerate(lines) if line.startswith("Extension modules:")), None)
+    lines = lines[:cut]
+    fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    if fatal:
+        start = fatal[-1]
+        while start > 0 and fatal[-1] - start < 6 and not lines[start - 1].startswith("[rank"):
+            start -= 1  # the native message printed just before the abort
+        lines = lines[start:]
+    kept = _trim_stack("\n".join(lines), entry).splitlines()
+    return "\n".join(kept[-max_lines:])
+
+
+def _died_error(died: dict[str, Any], log_dir: Path | None, others: list[int]) -> RankFailedError:
+    """A rank that left no Python record: say how it died and what its stderr said last."""
+    if died.get("signal"):
+        how = f"was killed by {died['signal']}"
+    elif died.get("exitcode") is not None:
+        how = f"exited with code {died['exitcode']}"
+    else:
+        how = "exited without reporting an error"
+    tail = died.get("stderr", "")
+    detail = (
+        f"(no Python exception; the last lines of its stderr:)\n{tail}"
+        if tail
+        else "(no Python traceback: the process was killed, ran out of memory, or crashed in "
+        "native code)"
+    )
+    return RankFailedError(
+        died["rank"], "ProcessDied", f"the process {how}", detail, log_dir, others
+    )
+
+
+def _blame(
+    records: list[dict[str, Any]], died: list[dict[str, Any]], log_dir: Path | None
+) -> RankFailedError | None:
     """The failing rank to blame, in order of evidence:
 
     1. a rank that raised a genuine exception (the earliest, if several), including one whose
        exception was still in flight when it was killed (a *pending* record);
-    2. a rank that died without a Python record (SIGKILL, out of memory, a native crash):
-       the agent's exit codes (``agent_failures.json``) name it and its signal, else
-       ``silent_dead`` (ranks seen dead with no record) does;
+    2. a rank that died without a Python record (SIGKILL, out of memory, a native crash),
+       a known signal first; ``died`` entries carry rank, signal, exitcode and stderr tail;
     3. only then a rank that merely saw "connection closed by peer".
     """
-    records = _error_records(run)
-    if records:
-        last_restart = max(r["restart"] for r in records)
-        records = [r for r in records if r["restart"] == last_restart]
-    records.sort(key=lambda r: (r["collateral"], r["time"]))
+    records = sorted(records, key=lambda r: (r["collateral"], r["time"]))
     reported = {r["rank"] for r in records}
     if records and not records[0]["collateral"]:
         root = records[0]
         others = sorted(r["rank"] for r in records[1:])
-        return RankFailedError(root["rank"], root["type"], root["message"], root["traceback"], log_dir, others)
-
-    died = run / "agent_failures.json"
-    unreported = [f for f in json.loads(died.read_text())["failures"] if f["rank"] not in reported] if died.exists() else []
-    unreported.sort(key=lambda f: not f["signal"])  # a signal is the strongest evidence
-    if not unreported:
-        unreported = [{"rank": r, "signal": "", "exitcode": None} for r in sorted((silent_dead or set()) - reported)]
-    if unreported:
-        f = unreported[0]
-        if f["signal"]:
-            how = f"was killed by {f['signal']}"
-        elif f["exitcode"] is not None:
-            how = f"exited with code {f['exitcode']}"
-        else:
-            how = "exited without reporting an error"
         return RankFailedError(
-            f["rank"],
-            "ProcessDied",
-            f"the process {how}",
-            "(no Python traceback: the process was killed, ran out of memory, or crashed in native code)",
-            log_dir,
-            sorted(reported | {g["rank"] for g in unreported[1:]}),
+            root["rank"], root["type"], root["message"], root["traceback"], log_dir, others
         )
+    unreported = sorted(
+        (d for d in died if d["rank"] not in reported), key=lambda d: not d["signal"]
+    )
+    if unreported:
+        others = sorted(reported | {d["rank"] for d in unreported[1:]})
+        return _died_error(unreported[0], log_dir, others)
     if records:
         root = records[0]
         others = sorted(r["rank"] for r in records[1:])
-        return RankFailedError(root["rank"], root["type"], root["message"], root["traceback"], log_dir, others)
+        return RankFailedError(
+            root["rank"], root["type"], root["message"], root["traceback"], log_dir, others
+        )
     return None
+
+
+def _root_cause(
+    run: Path, log_dir: Path, silent_dead: set[int] | None = None
+) -> RankFailedError | None:
+    """Blame a rank of a launch from the files its ranks and agent left in ``run``: error
+    records, the agent's exit codes (``agent_failures.json``), else ``silent_dead`` (ranks
+    seen dead with no record), and each dead rank's stderr log."""
+    records = _error_records(run)
+    if records:
+        last_restart = max(r["restart"] for r in records)
+        records = [r for r in records if r["restart"] == last_restart]
+    reported = {r["rank"] for r in records}
+    path = run / "agent_failures.json"
+    died = [f for f in json.loads(path.read_text())["failures"]] if path.exists() else []
+    if not [f for f in died if f["rank"] not in reported]:
+        died = [
+            {"rank": r, "signal": "", "exitcode": None}
+            for r in sorted((silent_dead or set()) - reported)
+        ]
+    attempts = sorted(log_dir.glob("*/attempt_*"))
+    for f in died:
+        log = attempts[-1] / str(f["rank"]) / "stderr.log" if attempts else None
+        if log is not None and log.exists():
+            f["stderr"] = _stderr_tail(log.read_text(errors="replace"))
+    return _blame(records, died, log_dir)
