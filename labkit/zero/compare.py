@@ -27,14 +27,14 @@ from torch import nn
 from labkit.memory import tracker_for
 from labkit.models import GPT, GPTConfig, gpt_loss
 from labkit.zero.adam import AdamConfig
-from labkit.zero.ledger import make_optimizer
+from labkit.zero.factory import make_optimizer
 
 __all__ = ["CONTENDERS", "run_side_by_side"]
 
 CONTENDERS = ("ours zero1", "torch ZeroRedundancyOptimizer", "ours zero3", "ours zero3 prefetch", "torch FSDP2")
 
 
-def _setup(name: str, model: nn.Module, cfg: AdamConfig) -> tuple[Callable[[], None], Callable[[], None], Any]:
+def _setup(name: str, model: nn.Module, cfg: AdamConfig) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
     """(zero_grad, step, our optimizer or None) for contender ``name``; may wrap ``model``."""
     kw: dict[str, Any] = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
     blocks = list(model.blocks) if isinstance(model, GPT) else None

@@ -23,22 +23,9 @@ from torch import nn
 from labkit.memory import tracker_for
 from labkit.memory.model import FP32_ADAM, MIXED_ADAM, communication_bytes, model_states
 from labkit.zero.adam import AdamConfig
-from labkit.zero.stage1 import DDPAdam, ZeRO1
-from labkit.zero.stage2 import ZeRO2
-from labkit.zero.stage3 import ZeRO3
+from labkit.zero.factory import make_optimizer
 
-__all__ = ["STAGE_CLASSES", "make_optimizer", "measure", "measure_gpt"]
-
-STAGE_CLASSES: dict[str, type[ZeRO1]] = {"ddp": DDPAdam, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}
-
-
-def make_optimizer(stage: str, model: nn.Module, cfg: AdamConfig | None = None, **kwargs: Any) -> ZeRO1:
-    """``STAGE_CLASSES[stage](model, cfg, **kwargs)`` with a clear error for a bad name."""
-    if stage not in STAGE_CLASSES:
-        raise ValueError(f"unknown stage {stage!r}; expected one of {sorted(STAGE_CLASSES)}")
-    if stage != "zero3":
-        kwargs.pop("prefetch", None)
-    return STAGE_CLASSES[stage](model, cfg, **kwargs)
+__all__ = ["measure", "measure_gpt"]
 
 
 def measure(
