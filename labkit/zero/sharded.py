@@ -29,7 +29,7 @@ Communication goes through :class:`labkit.collectives.comm.Comm` only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import SimpleNamespace
 from typing import Protocol, cast
@@ -179,33 +179,46 @@ class ShardedAdamW:
         raise NotImplementedError(f"{type(self).__name__} does not define step()")
 
     @torch.no_grad()
-    def apply_step(self, grads: list[torch.Tensor]) -> bool:
-        """AdamW on every unit's master range, given ``grads[i]``: unit i's averaged fp32
-        gradient for that range. Returns False when the loss scaler skipped the step."""
+    def apply_step(
+        self,
+        grad_of: Callable[[Unit], torch.Tensor],
+        publish: Callable[[Unit], None] | None = None,
+    ) -> bool:
+        """AdamW on every unit's master range; ``grad_of(u)`` gives unit ``u``'s averaged fp32
+        gradient for that range, ``publish(u)`` runs after ``u`` is updated. One unit at a
+        time, so one unit's gradient temporaries at most, unless a loss scaler must see every
+        gradient first. Returns False when the loss scaler skipped the step."""
         used = torch.tensor(self._used, dtype=torch.float32, device=self.device)
         self.comm.all_reduce(used)  # how many ranks used each parameter (0: leave it alone)
         self._used = [False] * len(self._used)
-        counts = used.tolist()
-        first = 0
-        used_by_unit = []
+        counts, first, used_by_unit = used.tolist(), 0, {}
         for u in self.units:
-            used_by_unit.append([c > 0 for c in counts[first : first + len(u.params)]])
+            used_by_unit[u] = [c > 0 for c in counts[first : first + len(u.params)]]
             first += len(u.params)
+
+        if self.scaler is None:
+            self.step_count += 1
+            for u in self.units:
+                self._adamw(u, grad_of(u), used_by_unit[u])
+                if publish is not None:
+                    publish(u)
+            return True
+        grads = {u: grad_of(u) for u in self.units}
 
         def update() -> None:
             self.step_count += 1
-            for u, g, flags in zip(self.units, grads, used_by_unit):
-                self._adamw(u, g, flags)
+            for u in self.units:
+                self._adamw(u, grads[u], used_by_unit[u])
 
-        if self.scaler is None:
-            update()
-            return True
-        # DynamicLossScaler.step reads an optimizer's param_groups[*]["params"][*].grad and
+        # DynamicLossScaler.step reads an optimizer's param_groups[*]["params"][*].grad, then
         # calls its step(): hand it the fp32 gradient shards (it unscales them in place)
-        holders = [SimpleNamespace(grad=g) for g in grads]
+        holders = [SimpleNamespace(grad=g) for g in grads.values()]
         as_optimizer = SimpleNamespace(param_groups=[{"params": holders}], step=update)
         took = self.scaler.step(cast(Optimizer, as_optimizer))
         self.scaler.update()
+        if took and publish is not None:
+            for u in self.units:
+                publish(u)
         return took
 
     def _adamw(self, u: Unit, grad: torch.Tensor, used: list[bool]) -> None:
@@ -223,11 +236,10 @@ class ShardedAdamW:
         self.policy.master_to_model(u.master, u.shard)
 
     @torch.no_grad()
-    def all_gather_params(self) -> None:
-        """Every rank's updated shard into every rank's full parameters (stages 1 and 2)."""
-        for u in self.units:
-            assert u.flat is not None
-            self.comm.all_gather(u.flat, u.shard.clone())  # clone: input must not alias output
+    def all_gather_params(self, u: Unit) -> None:
+        """Every rank's updated shard of ``u`` into every rank's full parameters (stages 1-2)."""
+        assert u.flat is not None
+        self.comm.all_gather(u.flat, u.shard.clone())  # clone: the input must not alias output
 
     # ----------------------------------------------------------------- inspection
     def _full(self, tensor: torch.Tensor, u: Unit) -> torch.Tensor:

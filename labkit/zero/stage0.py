@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from labkit.zero.adam import AdamConfig
+from labkit.zero.partition import Unit
 from labkit.zero.sharded import ShardedAdamW, adopt_grads
 
 __all__ = ["DDPAdam"]
@@ -38,9 +39,10 @@ class DDPAdam(ShardedAdamW):
     @torch.no_grad()
     def step(self) -> bool:
         """All-reduce, AdamW on everything. False when a loss scaler skipped the step."""
-        grads = []
-        for u in self.units:
+
+        def average(u: Unit) -> torch.Tensor:
             adopt_grads(u)  # in case someone replaced p.grad since zero_grad
             self.comm.all_reduce(u.grad)  # (padded,): the sum over ranks, on every rank
-            grads.append(self.policy.grad_to_master(u.grad, self.world_size))  # the average
-        return self.apply_step(grads)
+            return self.policy.grad_to_master(u.grad, self.world_size)  # fp32 average
+
+        return self.apply_step(average)

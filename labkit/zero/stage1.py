@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from labkit.zero.adam import AdamConfig
+from labkit.zero.partition import Unit
 from labkit.zero.sharded import ShardedAdamW, adopt_grads
 
 __all__ = ["ZeRO1"]
@@ -56,13 +57,11 @@ class ZeRO1(ShardedAdamW):
     @torch.no_grad()
     def step(self) -> bool:
         """Reduce-scatter, AdamW on my shard, all-gather. False when a loss scaler skipped it."""
-        grads = []
-        for u in self.units:  # in unit order on every rank: the collectives pair up
+
+        def my_average(u: Unit) -> torch.Tensor:  # unit by unit, the same order on every rank
             adopt_grads(u)
             mine = self.zeros(u.layout.shard_size, "temporaries", self.param_dtype)
             self.comm.reduce_scatter(mine, u.grad)  # (padded,) -> (shard_size,), summed
-            grads.append(self.policy.grad_to_master(mine, self.world_size))  # fp32 average
-        took = self.apply_step(grads)
-        if took:
-            self.all_gather_params()
-        return took
+            return self.policy.grad_to_master(mine, self.world_size)  # fp32 average
+
+        return self.apply_step(my_average, publish=self.all_gather_params)

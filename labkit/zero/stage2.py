@@ -51,8 +51,7 @@ class ZeRO2(ShardedAdamW):
     @torch.no_grad()
     def step(self) -> bool:
         """AdamW on my shard, all-gather. False when a loss scaler skipped the step."""
-        grads = [self.policy.grad_to_master(u.grad, self.world_size) for u in self.units]
-        took = self.apply_step(grads)
-        if took:
-            self.all_gather_params()
-        return took
+        return self.apply_step(
+            lambda u: self.policy.grad_to_master(u.grad, self.world_size),  # fp32 average
+            publish=self.all_gather_params,
+        )

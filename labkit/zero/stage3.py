@@ -241,8 +241,7 @@ class ZeRO3(ShardedAdamW):
     @torch.no_grad()
     def step(self) -> bool:
         """AdamW on my shard; the next forward gathers it. False when the scaler skipped."""
-        grads = [self.policy.grad_to_master(u.grad, self.world_size) for u in self.units]
-        return self.apply_step(grads)
+        return self.apply_step(lambda u: self.policy.grad_to_master(u.grad, self.world_size))
 
 
 class _PostBackward(torch.autograd.Function):
