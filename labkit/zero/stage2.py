@@ -1,4 +1,4 @@
-"""ZeRO-2: shard the gradients too (Rajbhandari et al. 2019, "P_os+g").
+"""ZeRO-2: shard the gradients too (Rajbhandari et al. 2019, "P_os+g"), as FSDP SHARD_GRAD_OP.
 
 In ZeRO-1 every rank keeps full gradients (4Psi in fp32) only to reduce-scatter them at step
 time and keep 1/N. ZeRO-2 reduce-scatters each unit's gradients *during backward*, as soon

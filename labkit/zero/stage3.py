@@ -6,7 +6,7 @@ exist only while a module that uses them runs::
     forward  pre-hook : all-gather the unit            (Psi over the whole forward)
     forward  post-hook: free it
     backward pre-hook : all-gather it again            (Psi over the whole backward)
-    grads ready       : reduce-scatter into my grad shard, free the unit   (Psi)
+    module's backward done: reduce-scatter into my grad shard, free it (Psi)
     step              : AdamW on my shard; nothing to gather (the next forward does it)
 
 Communication: 3Psi per step, 1.5x DDP's 2Psi. Memory: (4 + 4 + 8) Psi / N plus the units
@@ -41,10 +41,10 @@ hooks, in forward and in backward, and collectives pair up by order. So every ra
 the same modules' forwards in the same order, and backward must reach the output of every
 module on every rank whenever it reaches it on one (FSDP's all-gathers come from the same
 two places and require the same). What may differ per rank is which *parameters* get
-gradients: a module may leave one of its parameters, or (through ``x`` not depending on
-it) its whole unit, without a gradient on some ranks; the unit is then reduced with zeros
-at the flush, and a parameter no rank used is skipped as AdamW skips it. A layer that one
-rank does not call at all mismatches the collectives here, while stages 1-2 allow it.
+gradients: a module that runs on every rank may leave some or all of its parameters without
+a gradient on some ranks; its unit is still reduced when the module's backward ends, zeros
+from those ranks, and a parameter no rank used is skipped as AdamW skips it. A layer that
+one rank does not call at all mismatches the collectives here, while stages 1-2 allow it.
 """
 
 from __future__ import annotations
