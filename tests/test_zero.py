@@ -13,7 +13,13 @@
 * the measured ledger of a 10.7M-parameter GPT on 2 and 4 ranks agrees with the model within
   5% for every model-state category and every stage (fp32, and bf16 + fp32 master for
   ZeRO-1/3), the bytes sent match 2Psi / 3Psi, ZeRO-2/3 never hold more than a fraction of
-  the full gradients/parameters as temporaries, and peaks order DDP > ZeRO-1 > 2 > 3.
+  the full gradients/parameters as temporaries, and peaks order DDP > ZeRO-1 > 2 > 3; the
+  total peak per rank also lies within [-1, +3] largest units of an independent sum (the
+  formula's model states + a plain forward/backward's measured activations);
+* on 3 ranks: a layer only rank 0 uses and a layer no rank uses (every stage, step by step
+  against AdamW; the unused one bit-identical), a GPT with checkpointed blocks under every
+  stage (equal to the reference, with the collectives of the plain GPT), fp16 with the
+  DynamicLossScaler (a skipped step, then MixedPrecisionTrainer's numbers).
 """
 
 from __future__ import annotations
