@@ -30,6 +30,11 @@ This is the "reentrant" design (a custom ``autograd.Function`` that calls
 wrapped block must require grad, otherwise autograd never calls our backward and the
 block's parameters get no gradient -- we raise instead of training silently wrong.
 ``torch.utils.checkpoint(use_reentrant=False)`` lifts that limit with saved-tensor hooks.
+Second consequence, for code that hooks into backward (ZeRO, DDP): the block's parameter
+hooks fire inside that nested backward, and a callback queued there with
+``Variable._execution_engine.queue_callback`` runs when the *nested* backward ends, not
+the user's. :mod:`labkit.zero.backward` therefore queues its end-of-backward flush from a
+hook on the model's output, which runs in the outer backward.
 """
 
 from __future__ import annotations

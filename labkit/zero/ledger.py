@@ -10,35 +10,33 @@ parameters, gradient buffers or shards, Adam moments, communication buffers) ins
 ``tracker.category(...)`` (their ``memory=`` argument); everything allocated in forward is an activation; whatever else appears
 during backward and ``step`` (autograd's per-parameter gradients before they are reduced,
 Adam's scratch, all-gather inputs) is a temporary.
+
+Because those labels come from the code under test, :func:`measure` also returns two numbers
+measured without it, for an independent check of the total peak: the activation peak of one
+plain forward + backward of the same model on the same micro-batch (no ZeRO, one process),
+and the size of the largest unit (what one unit's temporaries are made of).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from labkit.activation_checkpoint import step_activation_bytes
 from labkit.memory import tracker_for
 from labkit.memory.model import FP32_ADAM, MIXED_ADAM, communication_bytes, model_states
+from labkit.models import GPTConfig
 from labkit.zero.adam import AdamConfig
-from labkit.zero.stage1 import DDPAdam, ZeRO1
-from labkit.zero.stage2 import ZeRO2
-from labkit.zero.stage3 import ZeRO3
+from labkit.zero.factory import make_optimizer
 
-__all__ = ["STAGE_CLASSES", "make_optimizer", "measure", "measure_gpt"]
+__all__ = ["DEFAULT_GPT", "measure", "measure_gpt"]
 
-STAGE_CLASSES: dict[str, type[ZeRO1]] = {"ddp": DDPAdam, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}
-
-
-def make_optimizer(stage: str, model: nn.Module, cfg: AdamConfig | None = None, **kwargs: Any) -> ZeRO1:
-    """``STAGE_CLASSES[stage](model, cfg, **kwargs)`` with a clear error for a bad name."""
-    if stage not in STAGE_CLASSES:
-        raise ValueError(f"unknown stage {stage!r}; expected one of {sorted(STAGE_CLASSES)}")
-    if stage != "zero3":
-        kwargs.pop("prefetch", None)
-    return STAGE_CLASSES[stage](model, cfg, **kwargs)
+DEFAULT_GPT = GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=32)  # 10.7M parameters
 
 
 def measure(
@@ -57,6 +55,11 @@ def measure(
     ``batch(rank, step) -> (x, y)`` gives this rank's micro-batch; ``loss_fn(model, x, y)``.
     """
     device = device or torch.device("cpu")
+    dtype = opt_kwargs.get("param_dtype", torch.float32)
+    plain = build_model().to(device, dtype)  # the same model, no ZeRO: its activations
+    x, y = batch(dist.get_rank(), 0)
+    plain_activations = step_activation_bytes(plain, x, y, loss_fn=loss_fn)["activations"]
+    del plain, x, y
     with tracker_for(device) as mt:
         model = build_model().to(device)
         opt = make_optimizer(stage, model, cfg, memory=mt, **opt_kwargs)
@@ -74,6 +77,13 @@ def measure(
                 del loss
                 opt.step()
             del x, y
+        # gloo's worker threads drop their reference to a finished collective's tensors a
+        # moment after the caller has returned (longer on a loaded machine): give them up to
+        # a second before reading what the step left behind; a real leak stays
+        for _ in range(100):
+            if mt.current_by_category()["temporaries"] == 0:
+                break
+            time.sleep(0.01)
         ledger = mt.ledger()
     psi = opt.num_params
     n = opt.world_size
@@ -82,6 +92,7 @@ def measure(
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     return {
         "stage": stage,
+        "param_dtype": str(opt.param_dtype).removeprefix("torch."),
         "world_size": n,
         "psi": psi,
         "current": ledger.current,
@@ -94,6 +105,9 @@ def measure(
             "optimizer_state": pred.optimizer_state,
         },
         "sent_per_step": {k: v / steps for k, v in opt.comm.sent.items()},
+        "calls_per_step": {k: v / steps for k, v in opt.comm.calls.items()},
+        "plain_activations": plain_activations,
+        "largest_unit_bytes": max(u.layout.padded for u in opt.units) * opt.param_dtype.itemsize,
         "sent_predicted": communication_bytes(stage, psi, elem_bytes=2 if mixed else 4) * (n - 1) / n,
     }
 
@@ -108,9 +122,9 @@ def measure_gpt(
 ) -> list[dict[str, Any]]:
     """:func:`measure` every stage on a labkit GPT (default: 6 layers x 384, 10.7M parameters)."""
     from labkit.launch import local_device
-    from labkit.models import GPT, GPTConfig, gpt_loss
+    from labkit.models import GPT, gpt_loss
 
-    cfg = gpt or GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=32)
+    cfg = gpt or DEFAULT_GPT
     device = local_device()
 
     def build() -> nn.Module:

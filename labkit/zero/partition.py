@@ -17,17 +17,28 @@ Invariants (tested without processes):
 * each parameter element belongs to exactly one rank; :meth:`FlatLayout.pieces` lists, for a
   rank, the parameter slices it owns and where they sit inside its shard.
 
-Everything here is a plain function of sizes: no tensors, no processes.
+The layout is a plain function of sizes (no tensors, no processes). :class:`Unit` is one
+flat buffer's parameters and this rank's tensors for them; :func:`make_units` decides which
+parameters share a buffer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-__all__ = ["Piece", "FlatLayout", "flat_layout", "flatten_into", "param_views"]
+__all__ = [
+    "FlatLayout",
+    "Piece",
+    "Unit",
+    "flat_layout",
+    "flatten_into",
+    "make_units",
+    "param_views",
+]
 
 
 @dataclass(frozen=True)
@@ -86,12 +97,16 @@ def flat_layout(numels: Sequence[int], world_size: int) -> FlatLayout:
     return FlatLayout(tuple(numels), world_size, tuple(offsets), total, padded, padded // world_size)
 
 
-def param_views(flat: torch.Tensor, layout: FlatLayout, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+def param_views(
+    flat: torch.Tensor, layout: FlatLayout, shapes: Sequence[torch.Size]
+) -> list[torch.Tensor]:
     """Views of ``flat`` (padded,) shaped like each parameter: writing one writes the buffer."""
     return [flat[o : o + n].view(s) for o, n, s in zip(layout.offsets, layout.numels, shapes)]
 
 
-def flatten_into(flat: torch.Tensor, layout: FlatLayout, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def flatten_into(
+    flat: torch.Tensor, layout: FlatLayout, tensors: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
     """Copy ``tensors`` into ``flat`` at their offsets (None -> zeros), padding zeroed."""
     for o, n, t in zip(layout.offsets, layout.numels, tensors):
         if t is None:
@@ -100,3 +115,66 @@ def flatten_into(flat: torch.Tensor, layout: FlatLayout, tensors: Sequence[torch
             flat[o : o + n].copy_(t.reshape(-1))
     flat[layout.total :].zero_()
     return flat
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0)
+
+
+@dataclass(eq=False)
+class Unit:
+    """Parameters that share one flat buffer, and this rank's tensors for them.
+
+    Which tensors exist depends on the stage: ``flat`` is the full (padded,) parameters in the
+    compute dtype (None while ZeRO-3 has sharded them away), ``shard`` this rank's slice of
+    them, ``master`` its fp32 copy (``shard`` itself in fp32 training), ``grad`` the full
+    gradients (stages 0-1) or this rank's gradient shard (stages 2-3), ``exp_avg`` and
+    ``exp_avg_sq`` Adam's moments of ``master``, ``steps`` Adam's step count per parameter.
+    """
+
+    owner: nn.Module  # ZeRO-3 gathers the unit around this module's forward and backward
+    params: list[nn.Parameter]
+    names: list[str]
+    layout: FlatLayout
+    shapes: list[torch.Size]  # recorded once: a sharded-away parameter has shape (0,)
+    flat: torch.Tensor | None = None
+    shard: torch.Tensor = field(default_factory=_empty)
+    master: torch.Tensor = field(default_factory=_empty)
+    grad: torch.Tensor = field(default_factory=_empty)
+    exp_avg: torch.Tensor = field(default_factory=_empty)
+    exp_avg_sq: torch.Tensor = field(default_factory=_empty)
+    steps: list[int] = field(default_factory=list)
+
+
+def make_units(
+    model: nn.Module, world_size: int, wrap: Sequence[nn.Module] | None = None
+) -> list[Unit]:
+    """Group the trainable parameters of ``model`` into units, each laid out for ``world_size``.
+
+    ``wrap=None``: one unit per module that owns trainable parameters directly (finest
+    grain: least memory in ZeRO-3, most collectives). ``wrap=[blocks...]``: one unit per
+    listed module (all its parameters), the rest in one unit owned by ``model`` (FSDP's
+    wrapping policy). A shared (tied) parameter goes to the first unit that meets it; frozen
+    parameters (``requires_grad=False``) go to none.
+    """
+    seen: set[int] = set()
+    names = {id(p): n for n, p in model.named_parameters()}
+    units: list[Unit] = []
+
+    def take(owner: nn.Module, params: Iterable[nn.Parameter]) -> None:
+        mine = [p for p in params if p.requires_grad and id(p) not in seen]
+        mine = list({id(p): p for p in mine}.values())  # a module may list a parameter twice
+        seen.update(id(p) for p in mine)
+        if mine:
+            layout = flat_layout([p.numel() for p in mine], world_size)
+            shapes = [p.shape for p in mine]
+            units.append(Unit(owner, mine, [names[id(p)] for p in mine], layout, shapes))
+
+    if wrap is None:
+        for mod in model.modules():
+            take(mod, mod.parameters(recurse=False))
+    else:
+        for mod in wrap:
+            take(mod, mod.parameters())
+        take(model, model.parameters())
+    return units

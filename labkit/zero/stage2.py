@@ -1,93 +1,57 @@
-"""ZeRO-2: shard the gradients too ("P_os+g").
+"""ZeRO-2: shard the gradients too (Rajbhandari et al. 2019, "P_os+g"), as FSDP SHARD_GRAD_OP.
 
-In ZeRO-1 every rank keeps full gradients (4Psi in fp32) only to reduce-scatter them at
-step time and keep 1/N. ZeRO-2 reduce-scatters each unit's gradients *during backward*, as
-soon as autograd has produced all of them, straight into this rank's gradient shard, and
-drops the full gradients right away::
+In ZeRO-1 every rank keeps full gradients (4Psi in fp32) only to reduce-scatter them at step
+time and keep 1/N. ZeRO-2 reduce-scatters each unit's gradients *during backward*, as soon
+as autograd has produced all of them, straight into this rank's gradient shard, and drops
+the full gradients right away::
 
     backward: unit's grads ready (post-accumulate-grad hooks)
-              -> pack them into one (padded,) buffer -> reduce-scatter -> my_grad_shard += ...
-              -> p.grad = None                      (full gradients never outlive their unit)
+              -> ShardedAdamW.reduce_scatter_grads: pack them into one (padded,) buffer
+              -> reduce-scatter -> my grad shard += ... -> p.grad = None
+                 (full gradients never outlive their unit)
     step:     AdamW on my shard -> all-gather params (as ZeRO-1)
 
-Memory per rank: 4Psi params + (4 + 8) Psi / N, plus one unit's full gradients in flight.
+Memory per rank, fp32: 4Psi params + (4 + 8) Psi / N, plus the full gradients of the units
+produced but not yet reduced (one, when backward produces units in their reduce order).
 Communication is unchanged at 2Psi per step (one reduce-scatter + one all-gather), except
 that with gradient accumulation each micro-batch reduce-scatters (DeepSpeed does the same):
 the price of not keeping full gradients between micro-batches.
 
-A unit whose parameters did not all get a gradient (unused in this forward) is flushed at
-the end of backward with zeros for the missing ones, so every rank issues the same
-collectives in the same order.
+When to reduce which unit is :class:`labkit.zero.backward.BackwardReducer`'s job: one fixed
+order on every rank, every unit once per backward (zeros from a rank that did not use it),
+the flush at the end of the outermost backward (so activation checkpointing's nested
+backwards change nothing). Layers that some ranks skip are therefore safe; a parameter no
+rank used is skipped as ``torch.optim.AdamW`` skips it (:mod:`labkit.zero.sharded`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from labkit.zero.partition import flatten_into
-from labkit.zero.stage1 import Unit, ZeRO1
+from labkit.zero.adam import AdamConfig
+from labkit.zero.backward import BackwardReducer
+from labkit.zero.sharded import ShardedAdamW
 
 __all__ = ["ZeRO2"]
 
 
-class ZeRO2(ZeRO1):
-    """AdamW with optimizer state and gradients sharded; grads reduce-scattered in backward."""
+class ZeRO2(ShardedAdamW):
+    """AdamW with optimizer state and gradients sharded; grads reduce-scattered in backward.
+    Keyword arguments: see :class:`ShardedAdamW`."""
 
-    def _build(self, u: Unit) -> None:
-        super()._build(u)
-        for p in u.params:
-            p.grad = None
-        u.grad = self._zeros(u.layout.shard_size, "gradients", self.param_dtype)  # my shard only
-        self._hook_grads(u)
-
-    def _hook_grads(self, u: Unit) -> None:
-        if not hasattr(self, "_ready"):
-            self._ready: dict[Unit, set[int]] = {}
-            self._unit_of: dict[int, Unit] = {}
-            self._flush_queued = False
-        self._ready[u] = set()
-        for p in u.params:
-            self._unit_of[id(p)] = u
-            p.register_post_accumulate_grad_hook(self._on_grad)
-
-    def _on_grad(self, p: nn.Parameter) -> None:
-        u = self._unit_of[id(p)]
-        if not self._flush_queued:  # once per backward: settle incomplete units at the end
-            self._flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-        self._ready[u].add(id(p))
-        if len(self._ready[u]) == len(u.params):
-            self._reduce_unit(u)
-
-    def _flush(self) -> None:
-        self._flush_queued = False
-        for u, ready in self._ready.items():
-            if ready:
-                self._reduce_unit(u)
+    def __init__(self, model: nn.Module, cfg: AdamConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(model, cfg, shard_optimizer=True, **kwargs)
+        for u in self.units:  # my gradient shard only; autograd's p.grad is dropped per unit
+            u.grad = self.zeros(u.layout.shard_size, "gradients", self.param_dtype)
+        self.reducer = BackwardReducer(model, self.units, self.reduce_scatter_grads)
 
     @torch.no_grad()
-    def _reduce_unit(self, u: Unit) -> None:
-        """Full grads of ``u`` -> one reduce-scatter -> added to my shard; full grads dropped."""
-        self._ready[u] = set()
-        buf = self._zeros(u.layout.padded, "temporaries", self.param_dtype)  # the communication buffer
-        flatten_into(buf, u.layout, [p.grad for p in u.params])
-        for p in u.params:
-            p.grad = None
-        mine = self._zeros(u.layout.shard_size, "temporaries", self.param_dtype)
-        self.comm.reduce_scatter(mine, buf)
-        del buf
-        u.grad.add_(mine)
-        self._after_reduce(u)
-
-    def _after_reduce(self, u: Unit) -> None:
-        """Hook for ZeRO-3, which frees the unit's gathered parameters here."""
-
-    @torch.no_grad()
-    def step(self) -> None:
-        self.step_count += 1
-        for u in self.units:
-            g = u.grad.float() / self.world_size  # sum over ranks -> average, in fp32
-            self._update(u, g)
-            del g
-            self._publish(u)
+    def step(self) -> bool:
+        """AdamW on my shard, all-gather. False when a loss scaler skipped the step."""
+        return self.apply_step(
+            lambda u: self.policy.grad_to_master(u.grad, self.world_size),  # fp32 average
+            publish=self.all_gather_params,
+        )

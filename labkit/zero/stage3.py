@@ -1,4 +1,4 @@
-"""ZeRO-3: shard the parameters too ("P_os+g+p"), the algorithm behind FSDP.
+"""ZeRO-3: shard the parameters too (Rajbhandari et al. 2019, "P_os+g+p"), as FSDP FULL_SHARD.
 
 Each rank keeps only its 1/N shard of every unit's parameters. A unit's full parameters
 exist only while a module that uses them runs::
@@ -6,7 +6,7 @@ exist only while a module that uses them runs::
     forward  pre-hook : all-gather the unit            (Psi over the whole forward)
     forward  post-hook: free it
     backward pre-hook : all-gather it again            (Psi over the whole backward)
-    grads ready       : reduce-scatter into my grad shard, free the unit   (Psi)
+    module's backward done: reduce-scatter into my grad shard, free it (Psi)
     step              : AdamW on my shard; nothing to gather (the next forward does it)
 
 Communication: 3Psi per step, 1.5x DDP's 2Psi. Memory: (4 + 4 + 8) Psi / N plus the units
@@ -20,6 +20,31 @@ the re-gathered buffer in backward.
 ``prefetch=True`` (the optimised variant) issues the all-gather of the next module's units
 asynchronously (forward order, reversed in backward), so communication overlaps compute, at
 the price of two units alive instead of one.
+
+Gradients are reduce-scattered as in ZeRO-2, and the unit freed, when the backward of the
+last module that used the unit in this step is done (FSDP2's post-backward): an identity
+``autograd.Function`` on the module's inputs runs after the module's backward. That moment
+is the same on every rank when every rank runs the same modules, even where one rank's
+module produced no gradient for some parameter; "all gradients produced" (ZeRO-2's trigger)
+is not, and here gathers interleave with the reduce-scatters, so a fixed reduce order alone
+would not pair them. :class:`labkit.zero.backward.BackwardReducer` flushes the rest (units
+whose module inputs need no gradient, e.g. the token embedding) at the end of backward,
+with zeros from ranks that produced none.
+
+Activation checkpointing (:mod:`labkit.activation_checkpoint`): a checkpointed block's
+forward runs again inside backward. Its modules gather their units there (the forward's
+copies were freed); a post-forward hook running *inside backward* keeps them, so the
+backward pre-hook finds them gathered. Collectives per step stay those of a plain step.
+
+What ZeRO-3 (and FSDP) require of control flow. The all-gathers are issued from module
+hooks, in forward and in backward, and collectives pair up by order. So every rank must run
+the same modules' forwards in the same order, and backward must reach the output of every
+module on every rank whenever it reaches it on one (FSDP's all-gathers come from the same
+two places and require the same). What may differ per rank is which *parameters* get
+gradients: a module that runs on every rank may leave some or all of its parameters without
+a gradient on some ranks; its unit is still reduced when the module's backward ends, zeros
+from those ranks, and a parameter no rank used is skipped as AdamW skips it. A layer that
+one rank does not call at all mismatches the collectives here, while stages 1-2 allow it.
 """
 
 from __future__ import annotations
@@ -30,24 +55,48 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from labkit.zero.partition import param_views
-from labkit.zero.stage1 import Unit
-from labkit.zero.stage2 import ZeRO2
+from labkit.zero.adam import AdamConfig
+from labkit.zero.backward import BackwardReducer
+from labkit.zero.partition import Unit, param_views
+from labkit.zero.sharded import ShardedAdamW
 
 __all__ = ["ZeRO3"]
 
-class ZeRO3(ZeRO2):
-    """AdamW with optimizer state, gradients and parameters sharded over ``group``."""
 
-    def __init__(self, model: nn.Module, *args: Any, prefetch: bool = False, **kwargs: Any) -> None:
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ZeRO3(ShardedAdamW):
+    """AdamW with optimizer state, gradients and parameters sharded over ``group``.
+    ``prefetch``: all-gather the next module's units ahead. Other keyword arguments: see
+    :class:`ShardedAdamW`."""
+
+    def __init__(
+        self, model: nn.Module, cfg: AdamConfig | None = None, *, prefetch: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, cfg, shard_optimizer=True, **kwargs)
         self.prefetch = prefetch
-        dtype = kwargs.get("param_dtype", torch.float32)
-        self._freed = torch.empty(0, dtype=dtype, device=next(iter(model.parameters())).device)
-        self._pending: dict[Unit, Any] = {}  # unit -> async all-gather handle
+        self._freed = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        self._pending: dict[Unit, Any] = {}  # unit -> (buffer, async all-gather handle)
         self._by_storage: dict[int, Unit] = {}  # id(gathered storage) -> unit
         self._order: list[nn.Module] = []  # modules in forward order (recorded once)
         self._recording = True
-        super().__init__(model, *args, **kwargs)
+        for u in self.units:
+            assert u.flat is not None
+            lo, hi = u.layout.shard_range(self.rank)
+            with self.memory.category("parameters"):
+                u.shard = u.flat[lo:hi].clone()  # my parameters, own storage: the full one goes
+            if not self.policy.keeps_master:
+                u.master = u.shard
+            u.grad = self.zeros(u.layout.shard_size, "gradients", self.param_dtype)
+            self._free(u)
+        self._uses = dict.fromkeys(self.units, 0)  # forward uses whose backward is still ahead
+        self.reducer = BackwardReducer(
+            model, self.units, self._reduce_and_free, when="caller", after_flush=self._after_backward
+        )
         self._needs = self._units_needed_by_module(model)
         for mod in self._needs:
             mod.register_forward_pre_hook(self._pre_forward)
@@ -55,16 +104,6 @@ class ZeRO3(ZeRO2):
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         model.register_forward_pre_hook(lambda m, a: self._saved_hooks.__enter__(), prepend=True)
         model.register_forward_hook(lambda m, a, o: self._end_forward())
-
-    def _build(self, u: Unit) -> None:
-        super()._build(u)
-        assert u.flat is not None
-        lo, hi = u.layout.shard_range(self.rank)
-        with self.memory.category("parameters"):
-            u.shard = u.flat[lo:hi].clone()  # my parameters, own storage: the full buffer goes
-        if self.param_dtype == torch.float32:
-            u.master = u.shard
-        self._free(u)
 
     def _units_needed_by_module(self, model: nn.Module) -> dict[nn.Module, list[Unit]]:
         """A module gathers the units it owns, plus the unit of any parameter it uses directly
@@ -90,7 +129,7 @@ class ZeRO3(ZeRO2):
     def _start_gather(self, u: Unit) -> None:
         if u.flat is not None or u in self._pending:
             return
-        buf = self._zeros(u.layout.padded, "temporaries", self.param_dtype)
+        buf = self.zeros(u.layout.padded, "temporaries", self.param_dtype)
         self._pending[u] = (buf, self.comm.all_gather(buf, u.shard, async_op=self.prefetch))
 
     def _gather(self, u: Unit) -> None:
@@ -121,16 +160,31 @@ class ZeRO3(ZeRO2):
                 self._start_gather(u)
 
     # ----------------------------------------------------------------- module hooks
-    def _pre_forward(self, mod: nn.Module, args: Any) -> None:
+    def _pre_forward(self, mod: nn.Module, args: Any) -> Any:
         if self._recording and mod not in self._order:
             self._order.append(mod)
         for u in self._needs[mod]:
             self._gather(u)
-        self._prefetch_after(mod, backward=False)
+        if not _in_backward():  # a recompute runs only this block: prefetch nothing beyond
+            self._prefetch_after(mod, backward=False)
+        if not torch.is_grad_enabled():
+            return None
+        for u in self._needs[mod]:
+            self._uses[u] += 1
+        # the end of this module's backward reduces its units: a moment all ranks share when
+        # they run the same modules (unlike "all gradients produced", see the docstring)
+        grad_args = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not grad_args:  # e.g. token ids: the flush at the end of backward reduces it
+            return None
+        marked = iter(_PostBackward.apply(lambda: self._post_backward(mod), *grad_args))
+        return tuple(
+            next(marked) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
+        )
 
     def _post_forward(self, mod: nn.Module, args: Any, out: Any) -> None:
-        for u in self._needs[mod]:
-            self._free(u)
+        if not _in_backward():  # in a recompute, keep the unit: its backward comes next
+            for u in self._needs[mod]:
+                self._free(u)
         if torch.is_grad_enabled():
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -144,14 +198,6 @@ class ZeRO3(ZeRO2):
     def _end_forward(self) -> None:
         self._saved_hooks.__exit__(None, None, None)
         self._recording = False
-
-    def _after_reduce(self, u: Unit) -> None:
-        self._free(u)  # its gradients are reduced: backward needs it no more
-
-    def _flush(self) -> None:
-        super()._flush()
-        for u in self.units:  # gathered for a backward that produced no gradient for it
-            self._free(u)
 
     # ----------------------------------------------------------------- saved tensors
     def _pack(self, t: torch.Tensor) -> Any:
@@ -168,11 +214,47 @@ class ZeRO3(ZeRO2):
         assert u.flat is not None
         return u.flat.as_strided(shape, stride, offset)
 
-    # ----------------------------------------------------------------- step
-    def _publish(self, u: Unit) -> None:
-        return None  # the shard was updated in place; the next forward gathers it
+    # ----------------------------------------------------------------- gradients, step
+    def _post_backward(self, mod: nn.Module) -> None:
+        """``mod``'s backward is done: a unit whose every use in this step is done goes."""
+        for u in self._needs[mod]:
+            self._uses[u] -= 1
+            if self._uses[u] < 0:
+                raise RuntimeError(
+                    f"unit {u.names} got more backward passes than forward uses: a parameter "
+                    "used inside and outside a checkpointed block?"
+                )
+            if self._uses[u] == 0:
+                self.reducer.reduce_now(u)
 
-    def _gather_full(self, shard: torch.Tensor, u: Unit) -> torch.Tensor:
-        full = torch.empty(u.layout.padded, device=shard.device)
-        self.comm.all_gather(full, shard.contiguous())
-        return full
+    def _reduce_and_free(self, u: Unit) -> None:
+        self.reduce_scatter_grads(u)
+        self._free(u)  # its gradients are reduced: backward needs it no more
+
+    def _after_backward(self) -> None:
+        for u in self.units:  # gathered for a backward that produced no gradient for them
+            self._free(u)
+            self._uses[u] = 0
+            if any(p.grad is not None for p in u.params):
+                raise RuntimeError(f"a gradient of {u.names} arrived after its unit was reduced")
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """AdamW on my shard; the next forward gathers it. False when the scaler skipped."""
+        return self.apply_step(lambda u: self.policy.grad_to_master(u.grad, self.world_size))
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward is done
+    (autograd runs it after every node the module created, and parameter gradients are
+    accumulated as soon as they are produced). FSDP2 uses the same device."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *inputs: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.callback()
+        return (None, *grads)
