@@ -30,7 +30,9 @@ def test_rank_grid_64_ranks_keeps_tp_adjacent() -> None:
     assert grid["pp"] == [list(range(j, 64, 8)) for j in range(8)]  # stages stride across nodes
     assert grid["dp"] == [[r] for r in range(64)]
     g = rank_grid(ParallelDegrees(dp=2, tp=4, pp=8))
-    assert g["tp"][0] == [0, 1, 2, 3] and g["dp"][0] == [0, 4] and g["pp"][0] == list(range(0, 64, 8))
+    assert (
+        g["tp"][0] == [0, 1, 2, 3] and g["dp"][0] == [0, 4] and g["pp"][0] == list(range(0, 64, 8))
+    )
     for name in ("tp", "dp", "pp"):  # every axis partitions the ranks
         assert sorted(r for group in g[name] for r in group) == list(range(64))
 
