@@ -310,3 +310,56 @@ def test_bad_sizes_fail_before_any_process_starts() -> None:
     with pytest.raises(ValueError, match=r"vocabulary 65 is not divisible by tp=2"):
         check_tp(GPTConfig(vocab_size=65), 2)
     check_tp(CFG, 4)
+
+
+class _WrongF(torch.autograd.Function):
+    """f written as g: all-reduce in forward, nothing in backward (the wrong direction)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _WrongColumn(torch.nn.Module):
+    def __init__(self, full: torch.nn.Linear, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        super().__init__()
+        r, t = dist.get_rank(group), dist.get_world_size(group)
+        n = full.out_features // t
+        self.weight = torch.nn.Parameter(full.weight.detach()[r * n : (r + 1) * n].clone())
+        self.bias = torch.nn.Parameter(full.bias.detach()[r * n : (r + 1) * n].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(_WrongF.apply(x), self.weight, self.bias)
+
+
+class _Row(torch.nn.Module):
+    """labkit's RowParallelLinear behind the exercise's constructor."""
+
+    def __init__(self, full: torch.nn.Linear, group: Any = None) -> None:
+        from labkit.collectives import Comm
+        from labkit.tensor_parallel import RowParallelLinear
+
+        super().__init__()
+        self.layer = RowParallelLinear(full, Comm(group))
+        self.weight, self.bias = self.layer.weight, self.layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def test_exercise_check_rejects_an_all_reduce_in_the_wrong_direction() -> None:
+    from labkit.checks.core import CheckFailed
+    from labkit.checks.tp import check_tp_layers
+
+    with pytest.raises(CheckFailed, match=r"rank 0: ColumnParallelLinear: forward output"):
+        check_tp_layers(_WrongColumn, _Row, world_sizes=(2,))
