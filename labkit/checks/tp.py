@@ -57,17 +57,17 @@ def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, w_hidden, w_out
 
 
-def _slice(t: torch.Tensor, dim: int, rank: int, n: int) -> torch.Tensor:
+def _slice(t: Any, dim: int, rank: int, n: int) -> torch.Tensor:
     k = t.shape[dim] // n
     return t.narrow(dim, rank * k, k)
 
 
-def _grads(layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _grads(layer: Any) -> tuple[Any, Any]:
     bias = getattr(layer, "bias", None)
     return layer.weight.grad, None if bias is None else bias.grad
 
 
-def _compare_all(case: str, pairs: list[tuple[str, torch.Tensor, Any]]) -> str | None:
+def _compare_all(case: str, pairs: list[tuple[str, Any, Any]]) -> str | None:
     for what, expected, got in pairs:
         if got is None:
             return f"{case}: {what} is missing (None)"
