@@ -35,6 +35,7 @@ BATCH = 8
 
 
 def _torch_tp(model: Any, sp: bool) -> Any:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -44,8 +45,6 @@ def _torch_tp(model: Any, sp: bool) -> Any:
         SequenceParallel,
         parallelize_module,
     )
-
-    import torch.distributed as dist
 
     t = dist.get_world_size()
     mesh = init_device_mesh("cpu", (t,))
@@ -63,18 +62,28 @@ def _torch_tp(model: Any, sp: bool) -> Any:
             plan |= {
                 "ln1": SequenceParallel(),
                 "ln2": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attn": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
             }
         parallelize_module(block, mesh, plan)
         block.attn.q.out_features //= t  # the attention reads its local head count from here
     top: dict[str, Any] = {
         "wte": RowwiseParallel(input_layouts=Replicate()),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "head": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        ),
     }
     if sp:
         top |= {
-            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
+            "blocks.0": PrepareModuleInput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Shard(1),),
+                use_local_output=True,
+            ),
             "ln_f": SequenceParallel(),
         }
     return parallelize_module(model, mesh, top)
@@ -118,7 +127,9 @@ def _work(sp: bool, steps: int, warmup: int) -> dict[str, Any]:
         return float(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
 
     losses = (step_ours(), step_theirs())  # same init, same data: the first losses agree
-    times = interleaved_times({"ours": step_ours, "torch": step_theirs}, steps, warmup, sync=dist.barrier)
+    times = interleaved_times(
+        {"ours": step_ours, "torch": step_theirs}, steps, warmup, sync=dist.barrier
+    )
     peaks = {}
     for name, fn in (("ours", step_ours), ("torch", step_theirs)):
         try:
@@ -127,27 +138,48 @@ def _work(sp: bool, steps: int, warmup: int) -> dict[str, Any]:
             peaks[name] = mt.peak_bytes
         except Exception as exc:  # a tensor subclass the tracker cannot read
             peaks[name] = f"n/a ({type(exc).__name__})"
-    return {"times": {k: spread(v) for k, v in times.items()}, "peaks": peaks, "first_losses": losses}
+    return {
+        "times": {k: spread(v) for k, v in times.items()},
+        "peaks": peaks,
+        "first_losses": losses,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sp", action="store_true", help="sequence parallelism too")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     check_tp(CFG, 2)  # before any process starts
-    results = launch(_work, args.sp, args.steps, args.warmup, world_size=2, backend="gloo", timeout=600, quiet=True)
+    results = launch(
+        _work,
+        args.sp,
+        args.steps,
+        args.warmup,
+        world_size=2,
+        backend="gloo",
+        timeout=600,
+        quiet=True,
+    )
     r0 = results[0]
     ours, theirs = r0["times"]["ours"], r0["times"]["torch"]
     kind = "TP + SP" if args.sp else "TP"
-    print(f"{kind}, 2 ranks, GPT d={CFG.n_embd} L={CFG.n_layer} h={CFG.n_head} V={CFG.vocab_size}, batch {BATCH}x{CFG.block_size}")
+    print(
+        f"{kind}, 2 ranks, GPT d={CFG.n_embd} L={CFG.n_layer} h={CFG.n_head} V={CFG.vocab_size}, batch {BATCH}x{CFG.block_size}"
+    )
     print(f"  first-step loss: ours {r0['first_losses'][0]:.5f}, torch {r0['first_losses'][1]:.5f}")
     print(f"  ours : {ours}")
     print(f"  torch: {theirs}")
-    print(f"  ratio ours/torch (median step time): {ours.median / theirs.median:.2f}x (target <= 1.0x)")
+    print(
+        f"  ratio ours/torch (median step time): {ours.median / theirs.median:.2f}x (target <= 1.0x)"
+    )
     for rank, r in enumerate(results):
-        print(f"  rank {rank} peak bytes in a step: ours {r['peaks']['ours']}, torch {r['peaks']['torch']}")
+        print(
+            f"  rank {rank} peak bytes in a step: ours {r['peaks']['ours']}, torch {r['peaks']['torch']}"
+        )
 
 
 if __name__ == "__main__":

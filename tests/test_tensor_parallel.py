@@ -47,9 +47,10 @@ def _gather_last(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)  # (B, T, V/t) per rank -> (B, T, V)
 
 
-def _equivalence(cfg: GPTConfig, sp: bool, impl: str) -> dict[str, Any]:
+def _equivalence(cfg: GPTConfig, sp: bool, impl: str, checkpoint: bool = False) -> dict[str, Any]:
     """Train the GPT and its TP version side by side; the largest differences, and the
-    communication of one step (2 micro-batches)."""
+    communication of one step (2 micro-batches). ``checkpoint``: built through
+    ``labkit.parallel.compose`` with activation checkpointing after TP."""
     from labkit.models import GPT, lm_loss
     from labkit.tensor_parallel import (
         TPConfig,
@@ -179,6 +180,7 @@ def _all_cases(tp: int) -> dict[str, Any]:
         "eq_tp": _equivalence(CFG, False, impls[0]),
         "eq_sp": _equivalence(CFG, True, impls[1]),
         "eq_untied": _equivalence(CFG.with_(tie_weights=False), tp == 4, "torch"),
+        "eq_composed": _equivalence(CFG, tp == 2, "torch", checkpoint=True),
         "swapped": _swapped_f_g(),
         "dropout": _dropout_streams(),
         "mismatch_config": _mismatch("config"),
@@ -193,7 +195,7 @@ def world(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     return tp, run_ranks(_all_cases, tp, world_size=tp, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["eq_tp", "eq_sp", "eq_untied"])
+@pytest.mark.parametrize("case", ["eq_tp", "eq_sp", "eq_untied", "eq_composed"])
 def test_equivalent_to_unsharded_gpt(world: tuple[int, list[dict[str, Any]]], case: str) -> None:
     tp, results = world
     for rank, r in enumerate(results):

@@ -16,8 +16,11 @@ slice: the exact mask the unsharded model draws, at the cost of generating t tim
 numbers. That makes a tensor-parallel run equal to the single-process one with dropout active,
 which is how the tests prove equivalence; ``per_rank`` is what one trains with.
 
-Masks are a function of (seed, site, call count), not of a global generator's position, so the
-reference model (:func:`seeded_dropout`) and its tensor-parallel version agree call by call.
+Masks are a function of (seed, site, forward pass), not of a global generator's position, so
+the reference model (:func:`seeded_dropout`) and its tensor-parallel version agree pass by
+pass. The forward-pass count is a :class:`DropoutClock` that the *model's* forward advances
+(a forward pre-hook on the root), not each dropout call: recomputing a checkpointed block in
+backward reruns its dropouts without advancing the clock, so it draws the same masks.
 The kept mask is 1 byte per element, as Korthikanti et al. 2022 count it.
 """
 
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MASKS", "REGIONS", "RegionDropout", "seeded_dropout"]
+__all__ = ["MASKS", "REGIONS", "DropoutClock", "RegionDropout", "seeded_dropout"]
 
 MASKS = ("per_rank", "sliced")
 REGIONS = ("replicated", "sharded")
@@ -48,6 +51,23 @@ class _ApplyMask(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (mask,) = ctx.saved_tensors
         return grad.masked_fill(~mask, 0.0).mul_(ctx.scale), None, None
+
+
+class DropoutClock:
+    """The forward-pass count that every dropout of one model reads."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def tick(self, *_: Any) -> None:  # usable as a forward pre-hook
+        self.value += 1
+
+    def attach(self, model: nn.Module) -> None:
+        """Give every RegionDropout of ``model`` this clock; ``model``'s forward ticks it."""
+        for m in model.modules():
+            if isinstance(m, RegionDropout):
+                m.clock = self
+        model.register_forward_pre_hook(self.tick)
 
 
 def _generator(device: torch.device, *key: int) -> torch.Generator:
@@ -79,23 +99,26 @@ class RegionDropout(nn.Module):
             world_size,
             dim,
         )
-        self.calls = 0
+        self.clock = DropoutClock()  # replaced by the model's shared clock (DropoutClock.attach)
         self.last_mask: torch.Tensor | None = None  # kept only when record_masks is set
         self.record_masks = False
 
     def _mask(self, x: torch.Tensor) -> torch.Tensor:
         keep = 1.0 - self.p
         if self.region == "replicated" or self.world_size == 1:
-            g = _generator(x.device, self.seed, self.site, self.calls)
+            g = _generator(x.device, self.seed, self.site, self.clock.value)
             return torch.rand(x.shape, generator=g, device=x.device) < keep
         if self.masks == "per_rank":
             g = _generator(
-                x.device, self.seed + MEGATRON_TP_SEED_OFFSET + self.rank, self.site, self.calls
+                x.device,
+                self.seed + MEGATRON_TP_SEED_OFFSET + self.rank,
+                self.site,
+                self.clock.value,
             )
             return torch.rand(x.shape, generator=g, device=x.device) < keep
         full = list(x.shape)
         full[self.dim] *= self.world_size  # the unsharded tensor's shape
-        g = _generator(x.device, self.seed, self.site, self.calls)
+        g = _generator(x.device, self.seed, self.site, self.clock.value)
         n = x.shape[self.dim]
         return (torch.rand(full, generator=g, device=x.device) < keep).narrow(
             self.dim, self.rank * n, n
@@ -104,7 +127,6 @@ class RegionDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        self.calls += 1
         mask = self._mask(x).contiguous()
         if self.record_masks:
             self.last_mask = mask
@@ -131,4 +153,5 @@ def seeded_dropout(model: nn.Module, seed: int) -> nn.Module:
         old = model.get_submodule(name)
         if isinstance(old, nn.Dropout):
             _set(model, name, RegionDropout(old.p, seed, site))
+    DropoutClock().attach(model)
     return model

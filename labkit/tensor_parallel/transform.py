@@ -43,7 +43,7 @@ from labkit.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from labkit.tensor_parallel.mappings import all_gather_seq, copy_to_tp, gather_from_sp
-from labkit.tensor_parallel.random import RegionDropout, dropout_sites
+from labkit.tensor_parallel.random import DropoutClock, RegionDropout, dropout_sites
 
 __all__ = ["TPConfig", "TensorParallelGPT", "agree_on_config", "check_tp", "tensor_parallel"]
 
@@ -176,6 +176,7 @@ def tensor_parallel(
 
     gpt: Any = copy.deepcopy(model)  # Any: its modules are about to change type
     _dropouts(gpt, config, rank, t)
+    DropoutClock().attach(gpt)
     gpt.wte = VocabParallelEmbedding(model.wte, comms["embed"], out_mode)
     if sp:
         gpt.wpe = SequenceShard(gpt.wpe, rank, t)
@@ -256,5 +257,6 @@ class TensorParallelGPT(nn.Module):
                 parts = [torch.empty_like(t) for _ in range(self.world_size)]
                 dist.all_gather(parts, t.contiguous(), group=self.group)
                 t = torch.cat(parts, dim=dim)
-            out[name.replace(".inner", "")] = t
+            # the unsharded GPT's name: drop the wrappers (ours, and a CheckpointedBlock's)
+            out[name.replace(".inner", "").replace(".block.", ".")] = t
         return out
