@@ -18,7 +18,7 @@ import torch
 
 from labkit.memory.tracker import tracker_for
 
-__all__ = ["BlockComm", "block_comm_formula", "layer_activation_bytes"]
+__all__ = ["BlockComm", "block_comm_formula", "layer_activation_bytes", "tp_layer_times"]
 
 
 def layer_activation_bytes(gpt: Any, idx: torch.Tensor, block: int = 0) -> int:
@@ -65,3 +65,34 @@ def block_comm_formula(
     return BlockComm(
         {"all_gather": 6, "reduce_scatter": 4}, {"all_gather": 6 * part, "reduce_scatter": 4 * part}
     )
+
+
+def tp_layer_times(
+    batch: int,
+    seq: int,
+    hidden: int,
+    tp: int,
+    *,
+    flops_per_s: float,
+    alpha: float,
+    beta: float,
+    elem_bytes: int = 2,
+) -> tuple[float, float]:
+    """(compute, communication) seconds of one transformer layer's forward + backward on one
+    of ``tp`` ranks, without overlap.
+
+    Compute: a layer's matmuls cost 24 b s h^2 + 4 b s^2 h FLOPs forward (Narayanan et al.
+    2021, eq. 2 per layer), twice that backward, split t ways. Communication: 4 ring
+    all-reduces of the (b, s, h) activation (2 forward, 2 backward), each
+    2 (t-1) alpha + 2 (t-1)/t * M * beta (labkit.collectives.cost_model). The compute shrinks as
+    1/t, the bytes per rank do not: that is why TP stays where beta is small (NVLink).
+    """
+    from labkit.collectives.cost_model import ring_all_reduce_time
+
+    flops = 3 * (24 * batch * seq * hidden**2 + 4 * batch * seq**2 * hidden) / tp
+    comm = (
+        4 * ring_all_reduce_time(batch * seq * hidden * elem_bytes, tp, alpha, beta)
+        if tp > 1
+        else 0.0
+    )
+    return flops / flops_per_s, comm

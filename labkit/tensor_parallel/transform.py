@@ -220,7 +220,11 @@ class TensorParallelGPT(nn.Module):
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over the full vocabulary, never building the full logits."""
-        return vocab_parallel_cross_entropy(self(idx), targets, self.comms["loss"])
+        return self.loss_from_logits(self(idx), targets)
+
+    def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The same, from this rank's (B, T, V/t) logits of a forward already run."""
+        return vocab_parallel_cross_entropy(logits, targets, self.comms["loss"])
 
     def finish_grads(self) -> None:
         """Sum the partial gradients of sequence-parallel parameters over the group (one flat
