@@ -1,7 +1,7 @@
 """Dropout under tensor parallelism: which ranks must draw the same mask, and which must not.
 
-A tensor-parallel GPT has two kinds of activation (Shoeybi et al. 2019, section 3, "Hybrid
-model and data parallelism"... and Megatron's ``model_parallel_cuda_manual_seed``):
+A tensor-parallel GPT has two kinds of activation (Shoeybi et al. 2019, section 3; Megatron-LM's
+``model_parallel_cuda_manual_seed`` and its RNG tracker):
 
 * **replicated** ones (the residual stream after g, the embedding output): every rank holds
   the same tensor, so every rank must drop the *same* elements or the copies drift apart.

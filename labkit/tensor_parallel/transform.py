@@ -21,6 +21,11 @@ stored activation 34/t instead of 10 + 24/t. Parameters used on sequence shards 
 the row-parallel biases, the position embedding) get partial gradients, summed over the group
 once per step by :meth:`TensorParallelGPT.finish_grads` (Megatron's ``sequence_parallel``
 parameters).
+
+Dropout: every ``nn.Dropout`` becomes a :class:`~labkit.tensor_parallel.random.RegionDropout`
+that knows whether its tensor is replicated or sharded (see ``random.py``). The attention-
+probability dropout of ``attention="sdpa"`` happens inside ``F.scaled_dot_product_attention``
+with the default generator, out of reach: use ``attention="explicit"`` to control it.
 """
 
 from __future__ import annotations
