@@ -45,6 +45,7 @@ class BlockComm:
 
     calls: dict[str, int]
     sent: dict[str, int]
+    forward_calls: dict[str, int]  # the part of ``calls`` made by the forward pass
 
 
 def block_comm_formula(
@@ -61,9 +62,11 @@ def block_comm_formula(
     m = batch * seq * hidden * elem_bytes  # one full activation, bytes
     part = m * (tp - 1) // tp
     if not sp:
-        return BlockComm({"all_reduce": 4}, {"all_reduce": 4 * 2 * part})
+        return BlockComm({"all_reduce": 4}, {"all_reduce": 4 * 2 * part}, {"all_reduce": 2})
     return BlockComm(
-        {"all_gather": 6, "reduce_scatter": 4}, {"all_gather": 6 * part, "reduce_scatter": 4 * part}
+        {"all_gather": 6, "reduce_scatter": 4},
+        {"all_gather": 6 * part, "reduce_scatter": 4 * part},
+        {"all_gather": 2, "reduce_scatter": 2},
     )
 
 
