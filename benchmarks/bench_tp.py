@@ -180,6 +180,10 @@ def main() -> None:
         print(
             f"  rank {rank} peak bytes in a step: ours {r['peaks']['ours']}, torch {r['peaks']['torch']}"
         )
+    print(
+        "  note: the tracker sees DTensor-level operators for PyTorch's model; until it counts a\n"
+        "  DTensor at its local size, PyTorch's peak may include global-size wrappers (over-count)."
+    )
 
 
 if __name__ == "__main__":
