@@ -168,17 +168,20 @@ def main() -> None:
     ours, theirs = r0["times"]["ours"], r0["times"]["torch"]
     kind = "TP + SP" if args.sp else "TP"
     print(
-        f"{kind}, 2 ranks, GPT d={CFG.n_embd} L={CFG.n_layer} h={CFG.n_head} V={CFG.vocab_size}, batch {BATCH}x{CFG.block_size}"
+        f"{kind}, 2 ranks, GPT d={CFG.n_embd} L={CFG.n_layer} h={CFG.n_head} "
+        f"V={CFG.vocab_size}, batch {BATCH}x{CFG.block_size}"
     )
     print(f"  first-step loss: ours {r0['first_losses'][0]:.5f}, torch {r0['first_losses'][1]:.5f}")
     print(f"  ours : {ours}")
     print(f"  torch: {theirs}")
     print(
-        f"  ratio ours/torch (median step time): {ours.median / theirs.median:.2f}x (target <= 1.0x)"
+        f"  ratio ours/torch (median step time): {ours.median / theirs.median:.2f}x "
+        "(target <= 1.0x)"
     )
     for rank, r in enumerate(results):
         print(
-            f"  rank {rank} peak bytes in a step: ours {r['peaks']['ours']}, torch {r['peaks']['torch']}"
+            f"  rank {rank} peak bytes in a step: ours {r['peaks']['ours']}, "
+            f"torch {r['peaks']['torch']}"
         )
     print(
         "  note: the tracker sees DTensor-level operators for PyTorch's model; until it counts a\n"

@@ -129,7 +129,8 @@ def _run(col_cls: Any, row_cls: Any) -> list[str]:
     problems.append(_compare_all("MLP (column -> GeLU -> row)", [
         ("forward output", proj(torch.nn.functional.gelu(fc(x))).detach(), y),
         ("input gradient", x_ref.grad, x_m.grad),
-        ("weight gradient of the column layer", _slice(fc.weight.grad, 0, rank, n), col.weight.grad),
+        ("weight gradient of the column layer", _slice(fc.weight.grad, 0, rank, n),
+         col.weight.grad),
         ("weight gradient of the row layer", _slice(proj.weight.grad, 1, rank, n), row.weight.grad),
     ]))  # fmt: skip
     return [p for p in problems if p]
@@ -139,7 +140,9 @@ def check_tp_layers(col_cls: Any, row_cls: Any, world_sizes: tuple[int, ...] = (
     """Run the learner's layers on each world size; raise :class:`CheckFailed` naming the
     first wrong quantity (forward output, input gradient, weight gradient) and its rank."""
     for n in world_sizes:
-        per_rank = launch_check(_run, col_cls, row_cls, world_size=n, timeout=120, quiet=True, backend="gloo")
+        per_rank = launch_check(
+            _run, col_cls, row_cls, world_size=n, timeout=120, quiet=True, backend="gloo"
+        )
         for rank, problems in enumerate(per_rank):
             if problems:
                 raise CheckFailed(f"on {n} ranks, rank {rank}: {problems[0]}")

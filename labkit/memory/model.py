@@ -203,7 +203,9 @@ def activation_bytes_per_layer_sized(
     CPU runs (act_bytes=4) give 18 + 48/t, 66/t and 9as/(ht).
     """
     if tp < 1 or min(seq, batch, hidden, heads, act_bytes, mask_bytes) < 1:
-        raise ValueError(f"need positive sizes and tp >= 1, got s={seq} b={batch} h={hidden} a={heads} tp={tp}")
+        raise ValueError(
+            f"need positive sizes and tp >= 1, got s={seq} b={batch} h={hidden} a={heads} tp={tp}"
+        )
     s, b, h, a, t = seq, batch, hidden, heads, tp
     replicated, split = 4 * act_bytes + 2 * mask_bytes, 12 * act_bytes
     core = (2 * act_bytes + mask_bytes) * a * s / h

@@ -85,7 +85,8 @@ class RegionDropout(nn.Module):
     """
 
     def __init__(
-        self, p: float, seed: int, site: int, *, region: str = "replicated", masks: str = "per_rank",
+        self, p: float, seed: int, site: int, *, region: str = "replicated",
+        masks: str = "per_rank",
         rank: int = 0, world_size: int = 1, dim: int = 1,
     ) -> None:  # fmt: skip
         super().__init__()
