@@ -35,6 +35,7 @@ __all__ = [
     "model_states",
     "RECOMPUTE",
     "activation_bytes_per_layer",
+    "activation_bytes_per_layer_sized",
     "transformer_activation_bytes",
     "communication_bytes",
     "zero_table1",
@@ -174,3 +175,40 @@ def zero_table1(psi: float = 7.5e9, k: int = 12, dp: tuple[int, ...] = (1, 4, 16
         n: tuple(paper_round(model_states(s, psi, n, prec).total / 1e9) for s in STAGES)
         for n in dp
     }
+
+
+def activation_bytes_per_layer_sized(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    act_bytes: int = 2,
+    mask_bytes: int = 1,
+) -> float:
+    """:func:`activation_bytes_per_layer` (no recompute) with the element sizes as parameters.
+
+    Korthikanti's Table 2 assumes 16-bit activations and 1-byte dropout masks. In elements of
+    sbh per layer: 16 activations (LayerNorm inputs 2, QKV input 1, Q K V 3, projection input
+    1, MLP input 1, GeLU input 4, second linear input 4) and 2 masks; of those, the LayerNorm,
+    QKV and MLP inputs (4) and both masks stay whole under tensor parallelism unless SP splits
+    them. The attention core keeps 2 activations and 1 mask per element of (b, a, s, s)::
+
+        replicated R = 4 act + 2 mask,  split S = 12 act,  core C = (2 act + mask) a s / h
+        bytes = sbh (R + S/t + C/t),  with SP: sbh ((R + S)/t + C/t)
+
+    act_bytes=2, mask_bytes=1 gives the paper's 10 + 24/t, 34/t and 5as/(ht); labkit's fp32
+    CPU runs (act_bytes=4) give 18 + 48/t, 66/t and 9as/(ht).
+    """
+    if tp < 1 or min(seq, batch, hidden, heads, act_bytes, mask_bytes) < 1:
+        raise ValueError(
+            f"need positive sizes and tp >= 1, got s={seq} b={batch} h={hidden} a={heads} tp={tp}"
+        )
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    replicated, split = 4 * act_bytes + 2 * mask_bytes, 12 * act_bytes
+    core = (2 * act_bytes + mask_bytes) * a * s / h
+    if sp:
+        return s * b * h * ((replicated + split) / t + core / t)
+    return s * b * h * (replicated + split / t + core / t)
