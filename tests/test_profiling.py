@@ -20,8 +20,8 @@ from labkit.profiling.breakdown import (
     step_profiler,
 )
 from labkit.profiling.derived import (
-    count_step_flops,
     cost_per_million,
+    count_step_flops,
     flop_efficiency,
     gpu_hours_per_million,
     samples_per_second,
@@ -75,12 +75,10 @@ def test_largest_departure_finds_the_grown_category():
 
 
 def test_region_names_and_missing_steps_are_errors():
-    with pytest.raises(ValueError, match="region must be"):
-        with region("fwd"):
-            pass
-    with step_profiler() as prof:
-        with region("forward"):
-            torch.ones(1) + 1
+    with pytest.raises(ValueError, match="region must be"), region("fwd"):
+        pass
+    with step_profiler() as prof, region("forward"):
+        torch.ones(1) + 1
     with pytest.raises(ValueError, match="no 'labkit::step'"):
         breakdown_from_events(prof.events(), rank=0, samples=1)
 
