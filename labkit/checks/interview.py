@@ -9,7 +9,7 @@ from typing import Any
 from labkit.checks.core import CheckFailed, passed
 from labkit.interview.quiz import QUESTIONS, Question, expected
 
-__all__ = ["ask", "check", "is_right"]
+__all__ = ["ask", "check", "is_right", "quiz"]
 
 
 def _question(qid: str) -> Question:
@@ -52,3 +52,13 @@ def check(qid: str, answer: Any) -> None:
             f"labkit computes it as: {q.solution}"
         )
     passed(f"{qid}: {answer!r}. {q.why}")
+
+
+def quiz(topic: str) -> list[str]:
+    """Print every question of a topic id (``"S2"``); answer each with ``check(qid, answer)``."""
+    from labkit.interview.quiz import questions_for
+
+    qs = questions_for(topic)
+    if not qs:
+        raise ValueError(f"no questions for topic {topic!r}")
+    return [ask(q.qid) for q in qs]
