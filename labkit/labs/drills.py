@@ -338,17 +338,22 @@ def evidence(fault: str, faulty: Sequence[Breakdown], clean: Sequence[Breakdown]
 
 
 class Mystery:
-    """A run with one hidden fault, and a clean run to compare it with (both profiled).
+    """A run with one hidden fault, the clean run to compare it with, and the fixed run.
 
-    ``breakdowns`` and ``clean``: one :class:`Breakdown` per rank. The fault stays hidden:
-    :func:`labkit.checks.drills.check_diagnosis` compares a guess with it.
+    ``breakdowns``, ``clean`` and (after a diagnosis) ``after``: one :class:`Breakdown` per
+    rank. :func:`labkit.checks.drills.check_diagnosis` compares a guess with the hidden fault.
     """
 
     def __init__(
-        self, faulty: list[Breakdown], clean: list[Breakdown], fault: str, cfg: DrillConfig
+        self,
+        faulty: list[Breakdown],
+        clean: list[Breakdown],
+        fault: str,
+        cfg: DrillConfig,
+        fixed: list[Breakdown] | None = None,
     ):
         self.breakdowns, self.clean, self.cfg = faulty, clean, cfg
-        self._fault = fault
+        self._fault, self._fixed = fault, fixed
 
     def __repr__(self) -> str:
         return f"Mystery(world_size={len(self.breakdowns)}, fault=<hidden>)"
@@ -356,17 +361,28 @@ class Mystery:
     def reveal(self) -> str:
         return self._fault
 
+    @property
+    def after(self) -> list[Breakdown] | None:
+        """The same run with the fault's fix applied (measured in the same launch)."""
+        return self._fixed
+
 
 def mystery_run(
-    seed: int | None = None, world_size: int = 2, device: str = "cpu", **launch_options: Any
+    seed: int | None = None,
+    world_size: int = 2,
+    device: str = "cpu",
+    trace_dir: str | None = None,
+    **launch_options: Any,
 ) -> Mystery:
-    """Pick a fault at random (``seed`` for a repeatable pick), run it beside a clean run."""
+    """Pick a fault at random (``seed`` for a repeatable pick); run clean, faulty and fixed in
+    one launch. ``trace_dir``: the clean run's per-rank Chrome traces go there."""
     import random
 
     fault = random.Random(seed).choice(available_faults(device))
     cfg = DrillConfig(fault=fault)
-    clean, faulty = run_drills([replace(cfg, fault=None), cfg], world_size, **launch_options)
-    return Mystery(faulty, clean, fault, cfg)
+    runs = [DrillConfig(trace_dir=trace_dir), cfg, replace(cfg, fixed=True)]
+    clean, faulty, fixed = run_drills(runs, world_size, **launch_options)
+    return Mystery(faulty, clean, fault, cfg, fixed)
 
 
 def before_after(
