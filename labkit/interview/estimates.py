@@ -17,6 +17,7 @@ here once so an answer can say "assuming ...".
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ GPU_PEAK_FLOPS = 312e12  # A100 dense bf16, datasheet
 GPU_MEMORY = 80e9  # A100 80 GB
 
 
+@functools.cache
 def resnet50_counts() -> tuple[int, int]:
     """(parameters, forward FLOPs per 224x224 image) of the real ResNet-50, counted on ``meta``."""
     from torch.utils.flop_counter import FlopCounterMode

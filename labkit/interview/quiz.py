@@ -54,7 +54,13 @@ def namespace() -> dict[str, Any]:
 
 
 def expected(q: Question) -> Any:
-    return eval(q.solution, namespace())  # noqa: S307 - our own expressions, not user input
+    """The value of ``q.solution`` (computed once per question)."""
+    return _evaluate(q.solution)
+
+
+@functools.cache
+def _evaluate(solution: str) -> Any:
+    return eval(solution, namespace())  # noqa: S307 - our own expressions, not user input
 
 
 _RESNET = "resnet50_counts()"
