@@ -47,7 +47,8 @@ def test_each_fault_is_the_largest_departure_from_a_clean_run(runs, fault):
     faulty, clean = runs[fault], runs["clean"]
     d = {k: round(v * 1e3, 1) for k, v in departures(faulty, clean).items()}
     assert largest_departure(faulty, clean) == SIGNATURE[fault][0], (
-        f"{fault}: departures (ms) {d}\n{format_table(faulty, fault)}\n{format_table(clean, 'clean')}"
+        f"{fault}: departures (ms) {d}\n{format_table(faulty, fault)}\n"
+        + format_table(clean, "clean")
     )
 
 

@@ -39,7 +39,7 @@ def is_right(qid: str, answer: Any) -> bool:
 
 
 def check(qid: str, answer: Any) -> None:
-    """PASSED, or CheckFailed naming the expected value, the reasoning and how labkit computes it."""
+    """PASSED, or CheckFailed naming the expected value, the reasoning and labkit's expression."""
     q = _question(qid)
     if q.choices is not None and str(answer).strip().lower() not in [c.lower() for c in q.choices]:
         raise CheckFailed(f"{qid}: {answer!r} is not one of the choices {list(q.choices)}")

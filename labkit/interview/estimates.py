@@ -135,7 +135,7 @@ def young_daly_interval(save_seconds: float, mtbf_seconds: float) -> float:
 
 
 def checkpoint_overhead(interval: float, save_seconds: float, mtbf_seconds: float) -> float:
-    """Fraction of time lost: saving (``C / tau``) plus redone work, half an interval per failure."""
+    """Fraction of time lost: saving (``C / tau``) plus redoing half an interval per failure."""
     return save_seconds / interval + interval / (2 * mtbf_seconds)
 
 

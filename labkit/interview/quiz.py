@@ -78,7 +78,8 @@ QUESTIONS: dict[str, Question] = {
         ),
         Question(
             "S1.2",
-            "The single-GPU recipe used lr 0.05 at batch 64. Linear scaling: the lr at 2 GPUs x 64?",
+            "The single-GPU recipe used lr 0.05 at batch 64. Linear scaling: the lr at 2 GPUs x "
+            "64?",
             "scaled_lr(0.05, 64, effective_batch(64, 2, 1))",
             "k times the batch, k times the lr (Goyal et al. 2017).",
         ),
@@ -100,13 +101,16 @@ QUESTIONS: dict[str, Question] = {
             "S2.3",
             "Without overlap, 64 images per GPU on 4 PCIe GPUs (predict_ddp_step, mfu 0.4): "
             "weak-scaling efficiency t1 / t4?",
-            f"weak_efficiency(predict_ddp_step(*{_RESNET}, 64, 1, LINKS['PCIe'], overlap=False).step, "
+            f"weak_efficiency(predict_ddp_step(*{_RESNET}, 64, 1, LINKS['PCIe'], "
+            f"overlap=False).step, "
             f"predict_ddp_step(*{_RESNET}, 64, 4, LINKS['PCIe'], overlap=False).step)",
-            "t1 is pure compute; t4 adds the exposed all-reduce. Overlap with backward would hide it.",
+            "t1 is pure compute; t4 adds the exposed all-reduce. Overlap with backward would "
+            "hide it.",
         ),
         Question(
             "S3.1",
-            "GPT-2 1.3B (preset 'gpt2-1.3b'), mixed-precision Adam, plain DDP: GB of model states per GPU?",
+            "GPT-2 1.3B (preset 'gpt2-1.3b'), mixed-precision Adam, plain DDP: GB of model "
+            "states per GPU?",
             "model_states('ddp', count_params_meta(preset('gpt2-1.3b')), 8).total / GB",
             "16 bytes per parameter (2 fp16 weights + 2 fp16 grads + 12 Adam/master), not sharded.",
         ),
@@ -114,7 +118,8 @@ QUESTIONS: dict[str, Question] = {
             "S3.2",
             "8 GPUs of 24 GB, 4 GB of activations each: the first DDP/ZeRO stage that fits?",
             "first_fitting_stage(count_params_meta(preset('gpt2-1.3b')), 8, 4 * GB, 24 * GB)",
-            "walk the ladder: DDP 16 psi, ZeRO-1 4psi + 12psi/N, ZeRO-2 2psi + 14psi/N, ZeRO-3 16psi/N.",
+            "walk the ladder: DDP 16 psi, ZeRO-1 4psi + 12psi/N, ZeRO-2 2psi + 14psi/N, ZeRO-3 "
+            "16psi/N.",
             choices=STAGE_CHOICES,
         ),
         Question(
@@ -136,7 +141,8 @@ QUESTIONS: dict[str, Question] = {
             "10B parameters, mixed Adam, tensor parallel 8 inside a node and ZeRO-1 over 4 "
             "data-parallel replicas: GB of model states per GPU (model_states on psi/8)?",
             "model_states('zero1', 10e9 / 8, 4).total / GB",
-            "tensor parallelism divides psi by t; ZeRO-1 then shards the optimizer over the replicas.",
+            "tensor parallelism divides psi by t; ZeRO-1 then shards the optimizer over the "
+            "replicas.",
         ),
         Question(
             "S5.2",
@@ -200,7 +206,8 @@ QUESTIONS: dict[str, Question] = {
         ),
         Question(
             "A1.2",
-            "Gloo all-reduce measured alpha 50 us: seconds of pure latency in 300 all-reduces on 2 ranks?",
+            "Gloo all-reduce measured alpha 50 us: seconds of pure latency in 300 all-reduces on "
+            "2 ranks?",
             "300 * ring(0, 2, 50e-6, 0)",
             "2(p-1) alpha per all-reduce, p = 2.",
         ),
@@ -208,7 +215,8 @@ QUESTIONS: dict[str, Question] = {
             "A2.1",
             "Bytes ZeRO-3 sends per step relative to DDP (communication_bytes)?",
             "memory.communication_bytes('zero3', 1e9) / memory.communication_bytes('ddp', 1e9)",
-            "parameters all-gathered in forward and backward plus a gradient reduce-scatter: 3 psi vs 2 psi.",
+            "parameters all-gathered in forward and backward plus a gradient reduce-scatter: 3 "
+            "psi vs 2 psi.",
         ),
         Question(
             "A2.2",
@@ -239,7 +247,8 @@ QUESTIONS: dict[str, Question] = {
         Question(
             "A4.2",
             "Share of a 4 KB all-reduce's time that is latency on 4 PCIe GPUs?",
-            "ring(0, 4, LINKS['PCIe'].alpha, 0) / ring(4096, 4, LINKS['PCIe'].alpha, LINKS['PCIe'].beta)",
+            "ring(0, 4, LINKS['PCIe'].alpha, 0) / ring(4096, 4, LINKS['PCIe'].alpha, "
+            "LINKS['PCIe'].beta)",
             "small messages are latency-bound: fuse them.",
         ),
         # ---- core knowledge -------------------------------------------------------------
@@ -283,7 +292,8 @@ QUESTIONS: dict[str, Question] = {
         Question(
             "K4.1",
             "Bytes of model state per parameter: mixed-precision Adam over fp32 Adam (ratio)?",
-            "model_states('ddp', 1, 1, MIXED_ADAM).total / model_states('ddp', 1, 1, FP32_ADAM).total",
+            "model_states('ddp', 1, 1, MIXED_ADAM).total / model_states('ddp', 1, 1, "
+            "FP32_ADAM).total",
             "16 vs 16: AMP saves activation memory and time, not model-state memory.",
         ),
         Question(

@@ -314,22 +314,25 @@ def evidence(fault: str, faulty: Sequence[Breakdown], clean: Sequence[Breakdown]
     if fault in ("starved_loader", "unpinned_copy", "checkpoint_every_step"):
         c = SIGNATURE[fault][0]
         b = worst(c, faulty)
-        return f"'{c}' was {_ms(b.seconds[c])} per step on rank {b.rank} against {_ms(worst(c, clean).seconds[c])} clean"
+        base = _ms(worst(c, clean).seconds[c])
+        return f"'{c}' was {_ms(b.seconds[c])} per step on rank {b.rank} against {base} clean"
     if fault == "host_sync":
         n, n0 = faulty[0].counts["host syncs"], clean[0].counts["host syncs"]
-        return f"'host syncs' per step was {n:g} against {n0:g} clean (aten::_local_scalar_dense: .item())"
+        return f"'host syncs' per step was {n:g} against {n0:g} clean (aten::_local_scalar_dense)"
     if fault == "tiny_buckets":
         b = worst("comm", faulty)
         return (
-            f"'all-reduces' per step was {b.counts['all-reduces']:g} against {clean[0].counts['all-reduces']:g} "
-            f"clean, and 'comm' {_ms(b.seconds['comm'])} against {_ms(worst('comm', clean).seconds['comm'])}"
+            f"'all-reduces' per step was {b.counts['all-reduces']:g} against "
+            f"{clean[0].counts['all-reduces']:g} clean, and 'comm' {_ms(b.seconds['comm'])} "
+            f"against {_ms(worst('comm', clean).seconds['comm'])}"
         )
     others = [b for b in faulty if b.rank != faulty[slow].rank]
     wait = max(b.seconds["comm"] for b in others)
     if fault == "straggler":
         return (
-            f"every rank had {faulty[0].samples} samples, yet rank {slow}'s forward+backward took "
-            f"{_ms(compute[slow])} against {_ms(min(compute))}, while the others waited in 'comm' {_ms(wait)}"
+            f"every rank had {faulty[0].samples} samples, yet rank {slow}'s forward+backward "
+            f"took {_ms(compute[slow])} against {_ms(min(compute))}, while the others waited "
+            f"in 'comm' {_ms(wait)}"
         )
     return (  # uneven_batches
         f"'samples' per rank were {[b.samples for b in faulty]}: rank {slow} computed "
@@ -398,7 +401,7 @@ def before_after(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m labkit.labs.drills``: every fault available here, before against after its fix."""
+    """``python -m labkit.labs.drills``: every fault available here, before and after its fix."""
     import argparse
 
     from labkit.profiling.breakdown import format_table
@@ -419,7 +422,8 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(before, "before"))
         print(format_table(after, "after"))
         print(
-            f"step: {_ms(max(b.step_seconds for b in before))} -> {_ms(max(b.step_seconds for b in after))}"
+            f"step: {_ms(max(b.step_seconds for b in before))} -> "
+            f"{_ms(max(b.step_seconds for b in after))}"
         )
     print(f"\nwall time {time.perf_counter() - t0:.1f} s")
 

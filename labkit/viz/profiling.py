@@ -18,7 +18,7 @@ COLOURS = {
 
 
 def plot_breakdown(runs: Mapping[str, Sequence[Breakdown]], title: str = "step breakdown per rank"):
-    """Stacked bars (ms per step) for every rank of every run: ``{"clean": [...], "fault": [...]}``."""
+    """Stacked bars (ms per step), every rank of every run: ``{"clean": [...], "x": [...]}``."""
     import matplotlib.pyplot as plt
 
     labels, bars = [], []
