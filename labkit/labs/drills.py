@@ -429,4 +429,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run from the imported module, not __main__: ranks and loader workers unpickle the
+    # configs and datasets by their module path.
+    from labkit.labs.drills import main as _main
+
+    _main()
