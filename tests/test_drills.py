@@ -65,6 +65,7 @@ def test_samples_tell_uneven_batches_from_a_straggler(runs):
     assert [b.samples for b in runs["uneven_batches"]] == [64, 384]
     assert [b.samples for b in runs["straggler"]] == [64, 64]
     assert "rank 1" in evidence("straggler", runs["straggler"], runs[None])
+    assert "rank 1 computed" in evidence("uneven_batches", runs["uneven_batches"], runs[None])
 
 
 def test_breakdown_adds_up_to_the_step(runs):

@@ -326,6 +326,8 @@ def evidence(fault: str, faulty: Sequence[Breakdown], clean: Sequence[Breakdown]
             f"{clean[0].counts['all-reduces']:g} clean, and 'comm' {_ms(b.seconds['comm'])} "
             f"against {_ms(worst('comm', clean).seconds['comm'])}"
         )
+    if fault == "uneven_batches":  # the rank with the most work, not the slowest per sample
+        slow = max(range(len(faulty)), key=lambda r: compute[r])
     others = [b for b in faulty if b.rank != faulty[slow].rank]
     wait = max(b.seconds["comm"] for b in others)
     if fault == "straggler":
