@@ -1,7 +1,7 @@
 """Scaling measured on this machine: the miniature ResNet at 1..N ranks, strong and weak (S2, K9).
 
 One launch of ``max(world_sizes)`` ranks runs every size in turn on a subgroup of the first
-``k`` ranks (the others wait at a barrier), so the process start is paid once.
+``k`` ranks (the others sleep at a barrier), so the process start is paid once.
 
 * strong scaling: global batch fixed, ``global_batch / k`` per rank; efficiency ``t1 / (k tk)``
   in time per step (the same samples per step at every k);
@@ -66,6 +66,13 @@ def _train(
     return {"step": statistics.median(times[3:]), "loss": losses[-1], "lr": lr}
 
 
+def _idle_barrier() -> None:
+    """A barrier that sleeps while it waits, so idle ranks leave the cores to the measured ones."""
+    work = dist.barrier(async_op=True)
+    while not work.is_completed():
+        time.sleep(0.005)
+
+
 def scaling_worker(
     world_sizes: Sequence[int],
     global_batch: int,
@@ -85,7 +92,7 @@ def scaling_worker(
                 out[kind][k] = _train(
                     group, k, b, steps, scaled_lr(lr, base_batch, b * k), warmup, data
                 )
-        dist.barrier()
+        _idle_barrier()
     return out
 
 
