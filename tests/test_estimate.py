@@ -20,7 +20,7 @@ from tests.ranks import run_ranks
 
 GPT13 = preset("gpt2-1.3b")
 # The CPU proxy of the capstone: the 1.3B recipe at reduced width, depth and vocabulary.
-PROXY = GPT13.with_(n_layer=4, n_embd=256, n_head=4, block_size=128, vocab_size=2048)
+PROXY = GPT13.with_(n_layer=2, n_embd=128, n_head=4, block_size=64, vocab_size=1024)
 PROXY_BATCH = 4
 TOLERANCE = 0.10  # activations and the step's peak total; model states must match exactly
 
