@@ -3,6 +3,9 @@
 One launch per world size runs every (algorithm, shape, dtype, op) case on the whole world
 and on a subgroup, and returns the list of mismatches; the test asserts that list is empty.
 Each rank builds every rank's input from a seed, so it also knows the exact (float64) result.
+The same launch records every point-to-point call each rank posts (``nccl_order.record_p2p``)
+and the test replays them under NCCL's rules: gloo tolerates orders that hang on GPUs, so
+equality alone cannot prove the collectives NCCL-safe.
 
 Tolerances (``eps`` = machine epsilon of the dtype, ``S`` = sum of |x_i| over ranks):
 * ours vs the exact result: ``eps * |exact| + p * eps32 * S`` (+ the dtype's smallest
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 
 import cloudpickle
 import pytest
@@ -24,7 +28,8 @@ from torch.distributed import ReduceOp
 
 from labkit.collectives import cost_model as cm
 from labkit.collectives.common import chunk_offsets, chunk_sizes
-from labkit.launch import launch
+from labkit.collectives.nccl_order import P2PCall, nccl_problems
+from tests.ranks import run_ranks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
 
@@ -65,7 +70,11 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
         ring_all_gather,
         ring_all_reduce,
         ring_reduce_scatter,
+        tuned_all_gather,
+        tuned_all_reduce,
+        tuned_reduce_scatter,
     )
+    from labkit.collectives.auto import AllReduceChoice, all_reduce
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     bad: list[str] = []
@@ -93,15 +102,24 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
                 dist.all_reduce(native, ReduceOp.SUM if op == ReduceOp.AVG else op, group=group)
                 if op == ReduceOp.AVG:
                     native = (native.float() / p).to(dtype)
-                # block=64 bytes: the ring cuts the larger chunks into several messages (its pipelined path)
+                # block=64 bytes: the tuned ring cuts the larger chunks into several messages (its
+                # pipelined path); auto with small_bytes=0 takes the ring, with the default rec. doubling
                 algos = {
                     "ring_all_reduce": lambda t, op: ring_all_reduce(t, op, group),
-                    "ring_all_reduce(block=64)": lambda t, op: ring_all_reduce(t, op, group, block=64),
+                    "tuned_all_reduce": lambda t, op: tuned_all_reduce(t, op, group),
+                    "tuned_all_reduce(block=64)": lambda t, op: tuned_all_reduce(t, op, group, block=64),
+                    "auto all_reduce": lambda t, op: all_reduce(t, op, group),
+                    "auto all_reduce(ring)": lambda t, op: all_reduce(t, op, group, choice=AllReduceChoice(0)),
                     "naive_all_reduce": lambda t, op: naive_all_reduce(t, op, group),
                     "recursive_doubling_all_reduce": lambda t, op: recursive_doubling_all_reduce(t, op, group),
                 }
+                readable = None
                 for algo_name, algo in algos.items():
                     got = algo(xs[rank].clone(), op)
+                    if readable is None:
+                        readable = got
+                    elif algo_name.startswith("tuned") and not torch.equal(got, readable):
+                        bad.append(f"{name} {algo_name} differs from the readable ring_all_reduce")
                     for problem in (
                         _close(f"{name} {algo_name} vs exact", got, exact, to_exact),
                         _close(f"{name} {algo_name} vs dist.all_reduce", got, native, to_native),
@@ -114,7 +132,10 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
                         bad.append(f"{name} {algo_name}: ranks hold different results")
                 # reduce-scatter: this rank's chunk of the flat result
                 shard = torch.empty(size[rank], dtype=dtype)
-                ring_reduce_scatter(shard, xs[rank], op, group, block=64 if case % 2 else 1 << 20)
+                tuned_reduce_scatter(shard, xs[rank], op, group, block=64 if case % 2 else 1 << 20)
+                readable_shard = ring_reduce_scatter(torch.empty(size[rank], dtype=dtype), xs[rank], op, group)
+                if not torch.equal(shard, readable_shard):
+                    bad.append(f"{name} tuned_reduce_scatter differs from the readable ring_reduce_scatter")
                 lo, hi = off[rank], off[rank + 1]
 
                 def flat(t: torch.Tensor, lo: int = lo, hi: int = hi) -> torch.Tensor:
@@ -135,10 +156,14 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
                     continue
                 # all-gather: every rank's chunk lands in place, bit for bit
                 whole = torch.full(shape, float("nan"), dtype=dtype)
-                ring_all_gather(whole, xs[rank].reshape(-1)[lo:hi].clone(), group, block=64 if case % 2 else 1 << 20)
+                tuned_all_gather(whole, xs[rank].reshape(-1)[lo:hi].clone(), group, block=64 if case % 2 else 1 << 20)
                 want = torch.cat([xs[r].reshape(-1)[off[r] : off[r + 1]] for r in range(p)]).reshape(shape)
                 if not torch.equal(whole, want):
                     bad.append(f"{name} ring_all_gather: differs from the concatenated shards")
+                readable_whole = torch.full(shape, float("nan"), dtype=dtype)
+                ring_all_gather(readable_whole, xs[rank].reshape(-1)[lo:hi].clone(), group)
+                if not torch.equal(readable_whole, want):
+                    bad.append(f"{name} readable ring_all_gather: differs from the concatenated shards")
                 if n % p == 0 and n > 0:
                     ref = torch.empty(n, dtype=dtype)
                     dist.all_gather_into_tensor(ref, xs[rank].reshape(-1)[lo:hi].clone(), group=group)
@@ -152,39 +177,97 @@ def _cases(group: dist.ProcessGroup | None, tag: str) -> list[str]:
     # buffers are reused: a second and tenth call of the same size allocate nothing
     pool = BufferPool()
     x = torch.randn(10_001)
-    ring_all_reduce(x, group=group, pool=pool)
+    tuned_all_reduce(x, group=group, pool=pool)
     first = pool.allocations
     for _ in range(9):
-        ring_all_reduce(x, group=group, pool=pool)
-    ring_reduce_scatter(torch.empty(chunk_sizes(10_001, p)[rank]), x, group=group, pool=pool)
+        tuned_all_reduce(x, group=group, pool=pool)
+    tuned_reduce_scatter(torch.empty(chunk_sizes(10_001, p)[rank]), x, group=group, pool=pool)
     if pool.allocations != first:
         bad.append(f"[{tag}] BufferPool grew from {first} to {pool.allocations} allocations on repeated calls")
     return bad
 
 
-def _world(world: int) -> dict[str, object]:
-    out: dict[str, object] = {"whole": _cases(None, "world")}
-    # a subgroup that skips rank 0, so group ranks and global ranks differ
-    members = [0, 2] if world == 3 else list(range(1, world))
-    sub = dist.new_group(members)
-    if dist.get_rank() in members:
-        out["sub"] = _cases(sub, f"subgroup {members}")
-    if world == 4:
-        from labkit.collectives.bench import _traced_ring
+def _irecv_then_isend(peer: int) -> None:
+    """The pattern NCCL deadlocks on (the old pairwise exchange): gloo lets it through."""
+    send, recv = torch.ones(3), torch.empty(3)
+    works = [dist.irecv(recv, peer), dist.isend(send, peer)]
+    for work in works:
+        work.wait()
 
-        out["trace"] = _traced_ring()
+
+def _posts(fn: Callable[[], object]) -> list[P2PCall]:
+    from labkit.collectives.nccl_order import record_p2p
+
+    log: list[P2PCall] = []
+    with record_p2p(log):
+        fn()
+    return log
+
+
+def _cached_validation(world: int) -> dict[str, object]:
+    """Messages posted by a first call (validation + data) and by a repeat (data only)."""
+    from labkit.collectives import BufferPool, recursive_doubling_all_reduce
+    from labkit.collectives.auto import AllReduceChoice, all_reduce
+
+    pool = BufferPool()
+    x = torch.ones(8)
+    first = _posts(lambda: recursive_doubling_all_reduce(x, pool=pool))
+    again = _posts(lambda: recursive_doubling_all_reduce(x, pool=pool))
+    other_size = _posts(lambda: recursive_doubling_all_reduce(torch.ones(9), pool=pool))
+    # labkit's all-reduce: one full-size swap per step below small_bytes, chunk-size ring above
+    small = _posts(lambda: all_reduce(torch.ones(64), pool=pool, check=False))
+    large = _posts(lambda: all_reduce(torch.ones(64), pool=pool, check=False, choice=AllReduceChoice(64)))
+    return {"first": len(first), "again": len(again), "other": len(other_size),
+            "small": sorted({c.numel for c in small}), "large": sorted({c.numel for c in large})}
+
+
+def _world(world: int) -> dict[str, object]:
+    from labkit.collectives.nccl_order import record_p2p
+
+    out: dict[str, object] = {}
+    log: list[P2PCall] = []
+    with record_p2p(log):
+        out["whole"] = _cases(None, "world")
+        # a subgroup that skips rank 0, so group ranks and global ranks differ
+        members = [0, 2] if world == 3 else list(range(1, world))
+        sub = dist.new_group(members)
+        if dist.get_rank() in members:
+            out["sub"] = _cases(sub, f"subgroup {members}")
+    out["log"] = log
+    if dist.get_rank() < 2:  # the negative control, on ranks 0 and 1
+        out["bad_log"] = _posts(lambda: _irecv_then_isend(1 - dist.get_rank()))
+    dist.barrier()
+    if world == 4:
+        from labkit.measure.collectives import traced_ring
+
+        out["trace"] = traced_ring()
+    if world == 2:
+        out["cache"] = _cached_validation(world)
     return out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_equal_to_torch_distributed(world: int) -> None:
-    results = launch(_world, world, world_size=world, timeout=100, quiet=True)
+    results = run_ranks(_world, world, world_size=world, timeout=170)
     for rank, res in enumerate(results):
         assert res["whole"] == [], f"rank {rank}:\n" + "\n".join(res["whole"])  # type: ignore[arg-type]
         if "sub" in res:
             assert res["sub"] == [], f"rank {rank}:\n" + "\n".join(res["sub"])  # type: ignore[arg-type]
     assert sum("sub" in res for res in results) == (2 if world == 3 else world - 1)
+    # NCCL-safe: every call of every collective above, on the world and on the subgroup
+    logs = [res["log"] for res in results]
+    assert all(len(log) > 100 for log in logs)  # type: ignore[arg-type]
+    assert nccl_problems(logs) == []  # type: ignore[arg-type]
+    # negative control: the old irecv-then-isend exchange passes under gloo but is rejected here
+    bad = [results[0]["bad_log"], results[1]["bad_log"]] + [[] for _ in range(world - 2)]
+    problems = nccl_problems(bad)  # type: ignore[arg-type]
+    assert any("ungrouped irecv from rank 1" in p for p in problems), problems
+    assert any("ranks 0 and 1 deadlock under NCCL" in p for p in problems), problems
+    if world == 2:  # validation is paid once per (collective, size, op, dtype, group)
+        cache = results[0]["cache"]
+        assert cache["first"] == 4 and cache["again"] == 2 and cache["other"] == 4, cache  # type: ignore[index]
+        assert cache["small"] == [64] and cache["large"] == [32], cache  # type: ignore[index]
     if world == 4:  # the ring's invariant, read from a real run
         for rank, res in enumerate(results):
             trace = res["trace"]
@@ -205,7 +288,9 @@ def _bad_inputs() -> list[str]:
         ring_all_reduce,
         ring_reduce_scatter,
     )
+    from labkit.collectives.common import DEFAULT_POOL
 
+    DEFAULT_POOL.clear()  # validation starts afresh: no combination is trusted from earlier calls
     rank = dist.get_rank()
     errors: list[str] = []
     attempts = [
@@ -232,7 +317,7 @@ def _bad_inputs() -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_bad_inputs_give_clear_errors_on_every_rank_not_hangs() -> None:
-    r0, r1 = launch(_bad_inputs, world_size=2, timeout=45, quiet=True)
+    r0, r1 = run_ranks(_bad_inputs, world_size=2, timeout=45)
     assert "disagree on numel (rank 0: 10, rank 1: 12)" in r0[0] and r0[0] == r1[0]
     assert "unsupported reduce op PRODUCT" in r0[1] and r0[1] == r1[1]
     assert "disagree on reduce op" in r0[2] and r0[2] == r1[2]
@@ -295,7 +380,7 @@ def test_chunks_split_like_tensor_split() -> None:
 
 @pytest.mark.timeout(90)
 def test_bench_records_follow_nccl_tests_definitions() -> None:
-    from labkit.collectives.bench import format_table, run_bench
+    from labkit.measure.collectives import format_table, run_bench
 
     records = run_bench(2, sizes=[4096, 65536], repeats=2, warmup=1, timeout=60)
     assert {(r.op, r.impl) for r in records} == {(op, impl) for op in ("all_reduce", "reduce_scatter", "all_gather") for impl in ("ours", "torch")}
