@@ -423,3 +423,64 @@ def test_exercise_check_passes_labkit_ring_and_explains_a_wrong_one(capsys: pyte
     assert "reduce_scatter, 6 elements, rank 0's shard (chunk 0)" in message  # which rank, which chunk
     assert "reduce-scatter step 1: rank 0 sent to rank 1" in message  # which step
     assert "<-- differs" in message and "chunks got mixed" in message
+
+
+def _native_all_reduce_then_slice(output_shard: torch.Tensor, input_full: torch.Tensor, group: object = None) -> None:
+    """Numerically right, but no ring: torch's all-reduce, then keep my chunk."""
+    total = input_full.clone()
+    dist.all_reduce(total)
+    output_shard.copy_(total.tensor_split(dist.get_world_size())[dist.get_rank()])
+
+
+def _everyone_sends_everything(output_shard: torch.Tensor, input_full: torch.Tensor, group: object = None) -> None:
+    """Numerically right and point-to-point only, but not a ring: whole tensors to every rank."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    incoming = [torch.empty_like(input_full) for _ in range(p)]
+    ops = [dist.P2POp(dist.isend, input_full, r) for r in range(p) if r != rank]
+    ops += [dist.P2POp(dist.irecv, incoming[r], r) for r in range(p) if r != rank]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    incoming[rank] = input_full
+    output_shard.copy_(torch.stack(incoming).sum(0).tensor_split(p)[rank])
+
+
+@pytest.mark.timeout(120)
+def test_exercise_check_rejects_native_collectives_and_non_ring_traffic() -> None:
+    from labkit.checks.collectives import check_ring
+    from labkit.checks.core import CheckFailed
+    from labkit.collectives import ring_all_gather
+
+    with pytest.raises(CheckFailed) as native:
+        check_ring(_native_all_reduce_then_slice, ring_all_gather)
+    assert "dist.all_reduce is switched off during this check" in str(native.value)
+    assert "point-to-point" in str(native.value)
+    with pytest.raises(CheckFailed) as flood:
+        check_ring(_everyone_sends_everything, ring_all_gather)
+    message = str(flood.value)
+    assert "reduce-scatter of 6 elements on 3 ranks: rank 0 sent 2 messages of [6, 6] elements" in message
+    assert "world_size - 1 = 2 messages per phase, each one chunk ([2, 2, 2] elements)" in message
+
+
+# ---- the NCCL order checker on hand-written logs (no processes) --------------------------------
+
+
+def _call(kind: str, peer: int, batch: int | None = None, blocking: bool = False, done: int | None = None) -> P2PCall:
+    return P2PCall(kind, peer, 4, batch, blocking, done)
+
+
+def test_nccl_order_checker_on_hand_written_logs() -> None:
+    # batched exchange on both ranks: safe
+    assert nccl_problems([[_call("send", 1, 0), _call("recv", 1, 0)], [_call("recv", 0, 0), _call("send", 0, 0)]]) == []
+    # blocking send-then-recv against recv-then-send (naive, recursive doubling's fold): safe
+    ordered = [[_call("send", 1, blocking=True, done=1), _call("recv", 1, blocking=True, done=2)],
+               [_call("recv", 0, blocking=True, done=1), _call("send", 0, blocking=True, done=2)]]
+    assert nccl_problems(ordered) == []
+    # both ranks block in send first: deadlock
+    both_send = [[_call("send", 1, blocking=True, done=1), _call("recv", 1, blocking=True, done=2)]] * 2
+    both_send[1] = [_call("send", 0, blocking=True, done=1), _call("recv", 0, blocking=True, done=2)]
+    assert any("deadlock" in p for p in nccl_problems(both_send))
+    # grouped on one side, ungrouped on the other: flagged
+    mixed = [[_call("send", 1, 0)], [_call("recv", 0, blocking=True, done=1)]]
+    assert any("grouped against ungrouped" in p for p in nccl_problems(mixed))
+    # a message nobody receives
+    assert any("deadlock" in p for p in nccl_problems([[_call("send", 1, 0)], []]))

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks.core import CheckFailed, compare, launch_check, passed
-from labkit.collectives.common import chunk_offsets
+from labkit.collectives.common import chunk_offsets, chunk_sizes
+from labkit.collectives.nccl_order import P2PCall, record_p2p
 from labkit.launch import JobTimeoutError, RankFailedError
 
 LABEL_SIZES = (6, 7, 2)  # even chunks first (schedule bugs), then [3, 2, 2], then [1, 1, 0]
@@ -36,32 +37,54 @@ SIZES = (1, 2, 7, 1001)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+NATIVE = (
+    "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather",
+    "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast", "reduce",
+    "all_to_all", "all_to_all_single", "scatter", "gather", "all_reduce_coalesced",
+)
+
+
+class NativeCollectiveUsed(RuntimeError):
+    """The learner's ring called one of torch's collectives instead of sending messages."""
+
+
 @contextlib.contextmanager
-def _record_sends(log: list[tuple[int, torch.Tensor]]) -> Iterator[None]:
-    """Log ``(dst, copy of data)`` of every send while active (P2POp and batch calls included)."""
+def _no_native_collectives() -> Iterator[None]:
+    """Make torch's collectives raise while active (the check's own calls run outside it)."""
     import torch.distributed.distributed_c10d as c10d
 
-    originals = {name: getattr(c10d, name) for name in ("send", "isend")}
+    originals = {name: getattr(c10d, name) for name in NATIVE if hasattr(c10d, name)}
 
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def sending(tensor: torch.Tensor, dst: int | None = None, *args: Any, **kwargs: Any) -> Any:
-            peer = dst if dst is not None else kwargs.get("group_dst", kwargs.get("dst"))
-            log.append((-1 if peer is None else int(peer), tensor.detach().clone()))
-            return fn(tensor, dst, *args, **kwargs)
+    def refuse(name: str) -> Callable[..., Any]:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise NativeCollectiveUsed(
+                f"dist.{name} is switched off during this check: the exercise is to build the "
+                "ring from point-to-point messages (dist.isend/irecv/send/recv or "
+                "dist.batch_isend_irecv), not to call torch's collective and slice its result"
+            )
 
-        return sending
+        return refused
 
-    # P2POp accepts only the functions c10d itself names `isend`/`irecv`: patch both places.
-    wrapped = {name: wrap(fn) for name, fn in originals.items()}
     try:
-        for name, fn in wrapped.items():
-            setattr(c10d, name, fn)
-            setattr(dist, name, fn)
+        for name in originals:
+            setattr(c10d, name, refuse(name))
+            setattr(dist, name, refuse(name))
         yield
     finally:
         for name, fn in originals.items():
             setattr(c10d, name, fn)
             setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def _record_sends(log: list[tuple[int, torch.Tensor]]) -> Iterator[None]:
+    """Log ``(dst, copy of data)`` of every send while active; no native collective allowed."""
+    calls: list[P2PCall] = []
+    with _no_native_collectives(), record_p2p(calls, copy_sends=True):
+        yield
+    # data messages only: integer messages are argument checks (labkit's own ring validates)
+    log += [(c.peer, c.data) for c in calls
+            if c.kind == "send" and c.data is not None and c.data.is_floating_point()]
 
 
 def _labels(n: int, rank: int) -> torch.Tensor:
@@ -95,13 +118,14 @@ def _on_rank(rs: Callable[..., Any], ag: Callable[..., Any], ar: Callable[..., A
         xs = [torch.randn(n, generator=torch.Generator().manual_seed(case * 10 + r)).to(dtype) for r in range(p)]
         lo, hi = chunk_offsets(n, p)[rank : rank + 2]
         shard = torch.full((hi - lo,), float("nan"), dtype=dtype)
-        rs(shard, xs[rank].clone())
         full = torch.full((n,), float("nan"), dtype=dtype)
-        ag(full, xs[rank][lo:hi].clone())
         reduced = None
-        if ar is not None:
-            reduced = xs[rank].clone()
-            ar(reduced)
+        with _no_native_collectives():
+            rs(shard, xs[rank].clone())
+            ag(full, xs[rank][lo:hi].clone())
+            if ar is not None:
+                reduced = xs[rank].clone()
+                ar(reduced)
         out["random"].append((n, dtype, xs, shard, full, reduced))
     return out
 
@@ -178,6 +202,27 @@ def _explain_labelled(results: list[dict[str, Any]], p: int) -> str | None:
     return None
 
 
+def _message_problem(results: list[dict[str, Any]], p: int) -> str | None:
+    """Exactly p - 1 messages per phase per rank, none longer than a chunk (non-empty chunks)."""
+    for i, (n, *_) in enumerate(results[0]["labelled"]):
+        if min(chunk_sizes(n, p)) == 0:
+            continue  # empty chunks: a ring may skip sending them
+        longest = max(chunk_sizes(n, p))
+        for rank, res in enumerate(results):
+            _, _, rs_sends, _, ag_sends = res["labelled"][i]
+            for phase, sends in (("reduce-scatter", rs_sends), ("all-gather", ag_sends)):
+                sizes = [data.numel() for _, data in sends]
+                if len(sizes) != p - 1 or max(sizes, default=0) > longest:
+                    return (
+                        f"{phase} of {n} elements on {p} ranks: rank {rank} sent {len(sizes)} "
+                        f"messages of {sizes} elements; a ring sends world_size - 1 = {p - 1} "
+                        f"messages per phase, each one chunk ({chunk_sizes(n, p)} elements). "
+                        "The sum is right, but this is not a ring: every rank sending whole "
+                        "tensors moves p/2 times more bytes"
+                    )
+    return None
+
+
 def check_ring(
     reduce_scatter: Callable[..., Any],
     all_gather: Callable[..., Any],
@@ -187,10 +232,15 @@ def check_ring(
     """Run the learner's ring collectives on ``world_size`` ranks; raise CheckFailed with a diagnosis."""
     p = world_size
     try:
-        results = launch_check(_on_rank, reduce_scatter, all_gather, all_reduce, world_size=p, quiet=True, timeout=60)
+        results = launch_check(
+            _on_rank, reduce_scatter, all_gather, all_reduce, world_size=p, quiet=True, timeout=60,
+            backend="gloo",
+        )
     except RankFailedError as exc:
         if exc.exc_type == "NotImplementedError":
             raise
+        if exc.exc_type == NativeCollectiveUsed.__name__:
+            raise CheckFailed(f"rank {exc.rank}: {exc.exc_message}") from None
         raise CheckFailed(
             f"rank {exc.rank} failed ({exc.exc_type}: {exc.exc_message.splitlines()[0][:200]}).\n"
             "  When a rank is killed inside gloo (ProcessDied, SIGABRT) it received a message larger than the "
@@ -209,6 +259,9 @@ def check_ring(
         raise CheckFailed(problem)
     if len(results[0]["labelled"]) < len(LABEL_SIZES):
         raise CheckFailed("a labelled case failed on some rank but could not be explained")
+    problem = _message_problem(results, p)
+    if problem:
+        raise CheckFailed(problem)
     for case in range(len(results[0]["random"])):
         n, dtype, xs, _, _, _ = results[0]["random"][case]
         exact = torch.stack([x.double() for x in xs]).sum(0)
