@@ -77,11 +77,12 @@ def plot_busbw(records: Sequence[BenchRecord], ops: Sequence[str] | None = None)
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for op in ops or dict.fromkeys(r.op for r in records):
-        for impl in dict.fromkeys(r.impl for r in records):
+    for colour, op in enumerate(ops or dict.fromkeys(r.op for r in records)):
+        for impl in dict.fromkeys(r.impl for r in records):  # one colour per op: ours vs torch
             pts = sorted((r.nbytes, r.busbw / 1e9) for r in records if r.op == op and r.impl == impl)
             if pts:
-                ax.plot(*zip(*pts), "-o" if impl == "ours" else "--x", label=f"{op} ({impl})")
+                style = "-o" if impl == "ours" else "--x"
+                ax.plot(*zip(*pts), style, color=f"C{colour}", label=f"{op} ({impl})")
     _size_axis(ax, [r.nbytes for r in records])
     _log_y(ax, "busbw (GB/s)")
     p = records[0].world_size if records else "?"
