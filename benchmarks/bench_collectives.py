@@ -34,8 +34,9 @@ TARGETS = {"all_reduce": (1.0, 0), "reduce_scatter": (1.5, 16 << 20), "all_gathe
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--four", action="store_true", help="also run on 4 ranks")
     parser.add_argument("--algorithms", action="store_true", help="time each all-reduce algorithm")
     parser.add_argument("--repeats", type=int, default=9)
@@ -45,17 +46,25 @@ def main() -> None:
     args = parser.parse_args()
 
     memcpy = memcpy_bandwidth()
-    print(f"single-thread memcpy: {memcpy / 1e9:.2f} GB/s; "
-          f"labkit's all-reduce uses recursive doubling up to {human_bytes(SMALL_BYTES)}")
+    print(
+        f"single-thread memcpy: {memcpy / 1e9:.2f} GB/s; "
+        f"labkit's all-reduce uses recursive doubling up to {human_bytes(SMALL_BYTES)}"
+    )
     sizes = [s for s in DEFAULT_SIZES if args.min_mb * 2**20 <= s <= args.max_mb * 2**20]
     for world_size in (2, 4) if args.four else (2,):
-        records = run_bench(world_size, sizes, repeats=args.repeats, warmup=args.warmup,
-                            algorithms=args.algorithms)
-        print(f"\n== {world_size} ranks, gloo, float32: median times; ours/torch = torch time / ours ==")
+        records = run_bench(
+            world_size, sizes, repeats=args.repeats, warmup=args.warmup, algorithms=args.algorithms
+        )
+        print(
+            f"\n== {world_size} ranks, gloo, float32: median times; ours/torch = torch time / "
+            "ours =="
+        )
         print(format_table(records, memcpy=memcpy))
         if args.algorithms:
             print("\nall-reduce, each algorithm alone: torch time / its time")
-            impls = [i for i in dict.fromkeys(r.impl for r in records) if i not in ("ours", "torch")]
+            impls = [
+                i for i in dict.fromkeys(r.impl for r in records) if i not in ("ours", "torch")
+            ]
             print(f"{'size':>8}" + "".join(f"{i:>20}" for i in impls))
             per = {i: ratios(records, i) for i in impls}
             for n in sizes:
@@ -69,8 +78,11 @@ def main() -> None:
             if got:
                 worst = min(got, key=got.__getitem__)
                 verdict = "met" if got[worst] >= target else "MISSED"
-                print(f"  {op:<15} ours/torch >= {target:.1f}x from {human_bytes(max(start, sizes[0]))}:"
-                      f" {verdict} (lowest {got[worst]:.2f}x, at {human_bytes(worst)})")
+                print(
+                    f"  {op:<15} ours/torch >= {target:.1f}x from "
+                    f"{human_bytes(max(start, sizes[0]))}:"
+                    f" {verdict} (lowest {got[worst]:.2f}x, at {human_bytes(worst)})"
+                )
 
 
 if __name__ == "__main__":

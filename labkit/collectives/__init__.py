@@ -5,13 +5,14 @@ Read in this order (lesson ``notebooks/02_collectives.ipynb``):
 * ``naive.py``      reduce to a root, broadcast back: ``2(p-1) D`` bytes through one link.
 * ``ring.py``       ring reduce-scatter + ring all-gather = ring all-reduce: ``2(p-1)/p D`` bytes.
                     The algorithm, written to be read.
-* ``tree.py``       recursive doubling and a binomial broadcast: ``log2 p`` steps for small messages.
+* ``tree.py``       recursive doubling and a binomial broadcast: ``log2 p`` steps, small messages.
 * ``ring_tuned.py`` the same ring made fast: pieces, pipelining, reused buffers.
-* ``auto.py``       labkit's all-reduce: recursive doubling below a measured size, the tuned ring above.
+* ``auto.py``       labkit's all-reduce: recursive doubling up to a measured size, then the ring.
 * ``cost_model.py`` the alpha-beta formulas of all of the above, and a fit of alpha and beta.
-* ``bench.py``      algbw/busbw as nccl-tests define them, ours against ``torch.distributed``.
 * ``common.py``     ops, chunking, batched messages, reusable buffers and the one validation.
 * ``nccl_order.py`` records every point-to-point call and proves the order cannot deadlock NCCL.
+* ``labkit/measure/collectives.py``: algbw/busbw as nccl-tests define them, ours vs torch's;
+  ``labkit/viz/collectives.py``: the lesson's pictures.
 * ``comm.py``       ``Comm(group, impl="torch" | "ring")``: the one switch every technique uses,
                     with the bytes each call sends counted.
 

@@ -72,7 +72,9 @@ class Comm:
         else:
             dist.reduce_scatter_single(out_shard, in_full, group=self.group)
 
-    def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, async_op: bool = False) -> Any:
+    def all_gather(
+        self, out_full: torch.Tensor, in_shard: torch.Tensor, async_op: bool = False
+    ) -> Any:
         """``out_full`` <- every rank's ``in_shard`` end to end. Returns a handle to ``wait()``."""
         self._count("all_gather", out_full.numel() * out_full.element_size())
         if self.world_size == 1:

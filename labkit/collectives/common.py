@@ -131,7 +131,7 @@ def post(
     """
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t.numel()]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t.numel()]
-    works = dist.batch_isend_irecv(ops) if ops else []
+    works: list[Any] = dist.batch_isend_irecv(ops) if ops else []
     if len(works) != len(ops):
         works = [_Joined(works)] * len(ops)
     handles = iter(works)
@@ -210,7 +210,9 @@ def _agree(what: str, row: list[int], names: list[str], group: ProcessGroup | No
     rows = table.tolist()
     failed = [r for r in range(p) if rows[r][0]]
     if failed:
-        raise ValueError(f"{what}: rank {failed[0]} rejected its arguments (see the error on that rank)")
+        raise ValueError(
+            f"{what}: rank {failed[0]} rejected its arguments (see the error on that rank)"
+        )
     for j, name in enumerate(names, start=1):
         values = [row[j] for row in rows]
         if len(set(values)) > 1:
@@ -233,7 +235,9 @@ class BufferPool:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self.allocations = 0
-        self.validated: set[tuple[Any, ...]] = set()  # argument combinations :func:`validate` passed
+        self.validated: set[tuple[Any, ...]] = (
+            set()
+        )  # argument combinations :func:`validate` passed
 
     def get(self, slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (slot, dtype, torch.device(device))
@@ -246,7 +250,7 @@ class BufferPool:
         return buf[:numel]
 
     def clear(self) -> None:
-        """Release every scratch buffer and forget validated arguments (the next call redoes both)."""
+        """Free every scratch buffer and forget validated arguments: the next call redoes both."""
         self._buffers.clear()
         self.validated.clear()
 

@@ -49,8 +49,16 @@ def naive_all_reduce(
     """
     rank, p = group_rank_and_size(group)
     bad_root = f"naive_all_reduce: root must be a rank of the group (0..{p - 1}), got {root}"
-    validate("naive_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel(), "root": root},
-             op=op, problem=None if 0 <= root < p else bad_root, check=check, pool=pool)
+    validate(
+        "naive_all_reduce",
+        group,
+        {"tensor": tensor},
+        {"numel": tensor.numel(), "root": root},
+        op=op,
+        problem=None if 0 <= root < p else bad_root,
+        check=check,
+        pool=pool,
+    )
     if p == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)
@@ -59,7 +67,11 @@ def naive_all_reduce(
         dist.recv(flat, global_rank(group, root))  # 2) ...and the result comes back
         return tensor
     acc = accum_dtype(flat.dtype)
-    total = flat if acc == flat.dtype else pool.get("naive.acc", flat.numel(), acc, flat.device).copy_(flat)
+    total = (
+        flat
+        if acc == flat.dtype
+        else pool.get("naive.acc", flat.numel(), acc, flat.device).copy_(flat)
+    )
     incoming = pool.get("naive.recv", flat.numel(), flat.dtype, flat.device)
     for other in range(p):  # 1) reduce: (p-1) full tensors through the root's link
         if other != root:
@@ -73,5 +85,5 @@ def naive_all_reduce(
     # root posts recv then send, the peer send then recv, so the per-pair orders match.
     works = [dist.isend(flat, global_rank(group, o)) for o in range(p) if o != root]
     for w in works:
-        w.wait()
+        w.wait()  # type: ignore[union-attr]
     return tensor

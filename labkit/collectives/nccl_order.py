@@ -83,7 +83,9 @@ def record_p2p(log: list[P2PCall], copy_sends: bool = False) -> Iterator[list[P2
     originals = {name: getattr(c10d, name) for name in names}
     state = {"inside": False, "batches": 0}
 
-    def note(kind: str, tensor: torch.Tensor, peer: int, batch: int | None, blocking: bool) -> P2PCall:
+    def note(
+        kind: str, tensor: torch.Tensor, peer: int, batch: int | None, blocking: bool
+    ) -> P2PCall:
         data = tensor.detach().clone() if copy_sends and kind == "send" else None
         call = P2PCall(kind, peer, tensor.numel(), batch, blocking, data=data)
         log.append(call)
@@ -115,8 +117,16 @@ def record_p2p(log: list[P2PCall], copy_sends: bool = False) -> Iterator[list[P2
     def batch(ops: list[Any]) -> list[Any]:
         index = state["batches"]
         state["batches"] += 1
-        calls = [note("send" if op.op is wrapped_fns["isend"] or op.op is originals["isend"]
-                      else "recv", op.tensor, int(op.peer), index, False) for op in ops]
+        calls = [
+            note(
+                "send" if op.op is wrapped_fns["isend"] or op.op is originals["isend"] else "recv",
+                op.tensor,
+                int(op.peer),
+                index,
+                False,
+            )
+            for op in ops
+        ]
         state["inside"] = True
         try:
             works = originals["batch_isend_irecv"](ops)
@@ -140,7 +150,11 @@ def record_p2p(log: list[P2PCall], copy_sends: bool = False) -> Iterator[list[P2
 
 
 def _describe(call: P2PCall) -> str:
-    how = f"batch {call.batch}" if call.batch is not None else ("blocking" if call.blocking else "ungrouped")
+    how = (
+        f"batch {call.batch}"
+        if call.batch is not None
+        else ("blocking" if call.blocking else "ungrouped")
+    )
     return f"{call.kind} ({call.numel} elements, {how})"
 
 
@@ -199,8 +213,10 @@ def _replay_pair(a: int, b: int, logs: list[list[P2PCall]]) -> list[str]:
                     f"{_describe(y)}: grouped against ungrouped"
                 )
             if x.numel != y.numel:
-                problems.append(f"ranks {a} and {b}: a send of {x.numel if kind == 'send' else y.numel}"
-                                f" elements meets a receive of {y.numel if kind == 'send' else x.numel}")
+                problems.append(
+                    f"ranks {a} and {b}: a send of {x.numel if kind == 'send' else y.numel}"
+                    f" elements meets a receive of {y.numel if kind == 'send' else x.numel}"
+                )
             heads[0].remove(x)
             heads[1].remove(y)
             matched = True

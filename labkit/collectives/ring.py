@@ -13,8 +13,8 @@ the flat tensor into ``p`` chunks like ``torch.tensor_split`` (chunk c may be em
 Arithmetic: each rank sends ``p - 1`` chunks of ``D/p`` bytes per phase, ``2(p-1)/p * D`` for
 the all-reduce, which no algorithm can beat; the price is ``2(p-1)`` latencies (``tree.py``).
 Each step's send and receive go out as one batch (``common.post``), safe under NCCL.
-16-bit floats are added in float32 and rounded once. This file is the algorithm, written to
-be read; ``ring_tuned.py`` is the same schedule made fast (pieces, pipelining, reused buffers).
+16-bit floats are added in float32 and rounded once. Ops: SUM, AVG, MAX, MIN. This file is
+the algorithm, to be read; ``ring_tuned.py`` is the same schedule made fast.
 """
 
 from __future__ import annotations
@@ -24,15 +24,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
-from labkit.collectives.common import (
-    accum_dtype,
-    chunk_sizes,
-    combine_,
-    exchange,
-    global_rank,
-    group_rank_and_size,
-    validate,
-)
+from labkit.collectives.common import accum_dtype, chunk_sizes, combine_, exchange, validate
+from labkit.parallel.layout import global_rank, group_rank_and_size
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "Trace"]
 
@@ -48,7 +41,7 @@ def _neighbours(group: ProcessGroup | None) -> tuple[int, int, int, int]:
 def ring_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
                         op: object = ReduceOp.SUM, group: ProcessGroup | None = None, *,
                         check: bool = True, trace: Trace | None = None) -> torch.Tensor:
-    """``output_shard`` <- chunk ``rank`` of ``input_full`` reduced over ``group`` (SUM/AVG/MAX/MIN)."""
+    """``output_shard`` <- chunk ``rank`` of ``input_full`` reduced over ``group``."""
     rank, p, right, left = _neighbours(group)
     n = input_full.numel()
     validate("ring_reduce_scatter", group, {"output_shard": output_shard, "input_full": input_full},

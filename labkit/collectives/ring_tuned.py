@@ -67,8 +67,14 @@ class _Ring:
         return flat[self.off[c] : self.off[c] + self.size[c]]
 
 
-def _reduce_scatter(ring: _Ring, out: torch.Tensor, inp: torch.Tensor, op: object,
-                    pool: BufferPool, on_piece: Any = None) -> None:
+def _reduce_scatter(
+    ring: _Ring,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    op: object,
+    pool: BufferPool,
+    on_piece: Any = None,
+) -> None:
     """Ring reduce-scatter of flat ``inp`` into flat ``out`` (chunk ``rank``); AVG divides here.
 
     ``out`` may alias ``inp``'s own chunk: that chunk is read only at the last step, each piece
@@ -83,10 +89,14 @@ def _reduce_scatter(ring: _Ring, out: torch.Tensor, inp: torch.Tensor, op: objec
         c = (rank - s - 2) % p  # the chunk whose partial arrives at this step
         recv, last = bufs[s % 2][: ring.size[c]], s == p - 2
         direct = last and acc == inp.dtype and op in (ReduceOp.SUM, ReduceOp.AVG)
-        recv_works, send_works = post([(x, ring.right) for x in ring.pieces(send)],
-                                      [(x, ring.left) for x in ring.pieces(recv)], ring.group)
-        pieces = zip(recv_works, ring.pieces(recv), ring.pieces(ring.chunk(inp, c)),
-                     ring.pieces(out))
+        recv_works, send_works = post(
+            [(x, ring.right) for x in ring.pieces(send)],
+            [(x, ring.left) for x in ring.pieces(recv)],
+            ring.group,
+        )
+        pieces = zip(
+            recv_works, ring.pieces(recv), ring.pieces(ring.chunk(inp, c)), ring.pieces(out)
+        )
         for k, (work, got, own, result) in enumerate(pieces):
             work.wait()  # reduce this piece while the next ones are still arriving
             if direct:  # the last partial plus ours goes straight into the output
@@ -123,8 +133,9 @@ class _AllGather:
         r, p = self.ring.rank, self.ring.p
         send = self.ring.pieces(self.ring.chunk(self.out, (r - s) % p))[k]
         recv = self.ring.pieces(self.ring.chunk(self.out, (r - s - 1) % p))[k]
-        recv_works, send_works = post([(send, self.ring.right)], [(recv, self.ring.left)],
-                                      self.ring.group)
+        recv_works, send_works = post(
+            [(send, self.ring.right)], [(recv, self.ring.left)], self.ring.group
+        )
         self.recvs[s, k] = recv_works[0]
         self.sends += send_works
 
@@ -142,16 +153,29 @@ class _AllGather:
             work.wait()
 
 
-def tuned_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
-                         op: object = ReduceOp.SUM, group: ProcessGroup | None = None, *,
-                         check: bool = True, pool: BufferPool = DEFAULT_POOL,
-                         block: int = BLOCK_BYTES) -> torch.Tensor:
+def tuned_reduce_scatter(
+    output_shard: torch.Tensor,
+    input_full: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+    block: int = BLOCK_BYTES,
+) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_reduce_scatter`."""
     ring = _Ring(input_full.numel(), input_full.element_size(), group, block)
     n = input_full.numel()
-    validate("ring_reduce_scatter", group, {"output_shard": output_shard, "input_full": input_full},
-             {"numel of input_full": n}, op=op, check=check, pool=pool,
-             expected_numel={"output_shard": ring.size[ring.rank]})
+    validate(
+        "ring_reduce_scatter",
+        group,
+        {"output_shard": output_shard, "input_full": input_full},
+        {"numel of input_full": n},
+        op=op,
+        check=check,
+        pool=pool,
+        expected_numel={"output_shard": ring.size[ring.rank]},
+    )
     if ring.p == 1:
         output_shard.view(-1).copy_(input_full.view(-1))
     elif n > 0:
@@ -159,15 +183,27 @@ def tuned_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
     return output_shard
 
 
-def tuned_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
-                     group: ProcessGroup | None = None, *, check: bool = True,
-                     pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
+def tuned_all_gather(
+    output_full: torch.Tensor,
+    input_shard: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+    block: int = BLOCK_BYTES,
+) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_all_gather`."""
     ring = _Ring(output_full.numel(), output_full.element_size(), group, block)
     n = output_full.numel()
-    validate("ring_all_gather", group, {"output_full": output_full, "input_shard": input_shard},
-             {"numel of output_full": n}, check=check, pool=pool,
-             expected_numel={"input_shard": ring.size[ring.rank]})
+    validate(
+        "ring_all_gather",
+        group,
+        {"output_full": output_full, "input_shard": input_shard},
+        {"numel of output_full": n},
+        check=check,
+        pool=pool,
+        expected_numel={"input_shard": ring.size[ring.rank]},
+    )
     flat = output_full.view(-1)
     mine = ring.chunk(flat, ring.rank)
     if mine.numel() and mine.data_ptr() != input_shard.data_ptr():
@@ -177,13 +213,26 @@ def tuned_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
     return output_full
 
 
-def tuned_all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM,
-                     group: ProcessGroup | None = None, *, check: bool = True,
-                     pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
+def tuned_all_reduce(
+    tensor: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+    block: int = BLOCK_BYTES,
+) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`; the phases overlap."""
     ring = _Ring(tensor.numel(), tensor.element_size(), group, block)
-    validate("ring_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()}, op=op,
-             check=check, pool=pool)
+    validate(
+        "ring_all_reduce",
+        group,
+        {"tensor": tensor},
+        {"numel": tensor.numel()},
+        op=op,
+        check=check,
+        pool=pool,
+    )
     if ring.p == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)

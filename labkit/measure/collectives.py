@@ -70,7 +70,14 @@ class BenchRecord:
     time_max: float = 0.0
 
 
-def _runs(full: torch.Tensor, shard: torch.Tensor, algorithms: bool) -> dict[str, dict[str, Callable[[], object]]]:
+def _native(name: str, old: str) -> Callable[..., object]:
+    """torch 2.13's name of a collective, or its older name on older torch."""
+    return getattr(dist, name, None) or getattr(dist, old)
+
+
+def _runs(
+    full: torch.Tensor, shard: torch.Tensor, algorithms: bool
+) -> dict[str, dict[str, Callable[[], object]]]:
     """op -> {"ours": call, "torch": call, ...} on preallocated tensors."""
     all_reduce: dict[str, Callable[[], object]] = {
         "ours": lambda: auto.all_reduce(full),
@@ -85,17 +92,23 @@ def _runs(full: torch.Tensor, shard: torch.Tensor, algorithms: bool) -> dict[str
         "all_reduce": all_reduce,
         "reduce_scatter": {
             "ours": lambda: tuned_reduce_scatter(shard, full),
-            "torch": lambda: dist.reduce_scatter_single(shard, full),
+            "torch": lambda: _native("reduce_scatter_single", "reduce_scatter_tensor")(shard, full),
         },
         "all_gather": {
             "ours": lambda: tuned_all_gather(full, shard),
-            "torch": lambda: dist.all_gather_single(full, shard),
+            "torch": lambda: _native("all_gather_single", "all_gather_into_tensor")(full, shard),
         },
     }
 
 
-def _rank_bench(ops: Sequence[str], sizes: Sequence[int], repeats: int, warmup: int,
-                dtype: torch.dtype, algorithms: bool) -> dict[str, list[float]]:
+def _rank_bench(
+    ops: Sequence[str],
+    sizes: Sequence[int],
+    repeats: int,
+    warmup: int,
+    dtype: torch.dtype,
+    algorithms: bool,
+) -> dict[str, list[float]]:
     """Runs on every rank: this rank's time of every round, keyed ``op|impl|nbytes``."""
     from labkit.launch import local_device
 
@@ -144,28 +157,45 @@ def run_bench(
     """
     bad = [op for op in ops if op not in OPS]
     if bad or not sizes or repeats < 1 or warmup < 0:
-        raise ValueError(f"ops must be among {OPS} (got {list(ops)}), sizes non-empty, "
-                         f"repeats >= 1 (got {repeats}), warmup >= 0 (got {warmup})")
+        raise ValueError(
+            f"ops must be among {OPS} (got {list(ops)}), sizes non-empty, "
+            f"repeats >= 1 (got {repeats}), warmup >= 0 (got {warmup})"
+        )
     from labkit.launch import launch
 
-    per_rank = launch(_rank_bench, list(ops), list(sizes), repeats, warmup, dtype, algorithms,
-                      world_size=world_size, timeout=timeout, quiet=True, backend="gloo")
+    per_rank = launch(
+        _rank_bench,
+        list(ops),
+        list(sizes),
+        repeats,
+        warmup,
+        dtype,
+        algorithms,
+        world_size=world_size,
+        timeout=timeout,
+        quiet=True,
+        backend="gloo",
+    )
     records = []
     for key in per_rank[0]:
         op, impl, nbytes = key.split("|")
         s = spread([max(rank_times[key][i] for rank_times in per_rank) for i in range(repeats)])
         algbw = int(nbytes) / s.median
         busbw = algbw * busbw_factor(op, world_size)
-        records.append(BenchRecord(op, impl, world_size, int(nbytes), s.median, algbw, busbw,
-                                   s.min, s.max))
+        records.append(
+            BenchRecord(op, impl, world_size, int(nbytes), s.median, algbw, busbw, s.min, s.max)
+        )
     return records
 
 
 def ratios(records: Sequence[BenchRecord], impl: str = "ours") -> dict[tuple[str, int], float]:
     """``(op, nbytes) -> busbw(impl) / busbw(torch)``, i.e. torch's time over ours."""
     by = {(r.op, r.impl, r.nbytes): r for r in records}
-    return {(op, n): by[(op, impl, n)].busbw / by[(op, "torch", n)].busbw
-            for (op, i, n) in by if i == impl and (op, "torch", n) in by}
+    return {
+        (op, n): by[(op, impl, n)].busbw / by[(op, "torch", n)].busbw
+        for (op, i, n) in by
+        if i == impl and (op, "torch", n) in by
+    }
 
 
 def human_bytes(nbytes: float) -> str:
@@ -189,8 +219,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def format_table(records: Sequence[BenchRecord], ops: Sequence[str] = OPS,
-                 memcpy: float | None = None) -> str:
+def format_table(
+    records: Sequence[BenchRecord], ops: Sequence[str] = OPS, memcpy: float | None = None
+) -> str:
     """One line per (op, size): median times, ours's busbw, the ratio torch time / ours."""
     by = {(r.op, r.impl, r.nbytes): r for r in records}
     cols = f"{'op':<15}{'size':>8}{'ours':>11}{'torch':>11}{'ours busbw':>13}{'ours/torch':>12}"
@@ -199,8 +230,10 @@ def format_table(records: Sequence[BenchRecord], ops: Sequence[str] = OPS,
         if op not in ops:
             continue
         ours, native = by[(op, "ours", n)], by[(op, "torch", n)]
-        line = (f"{op:<15}{human_bytes(n):>8}{_ms(ours.time_s):>11}{_ms(native.time_s):>11}"
-                f"{_rate(ours.busbw):>13}{ratio:>11.2f}x")
+        line = (
+            f"{op:<15}{human_bytes(n):>8}{_ms(ours.time_s):>11}{_ms(native.time_s):>11}"
+            f"{_rate(ours.busbw):>13}{ratio:>11.2f}x"
+        )
         lines.append(line + (f"{ours.busbw / memcpy:>13.0%}" if memcpy else ""))
     return "\n".join(lines)
 
@@ -243,14 +276,23 @@ def _ping_pong(sizes: Sequence[int], repeats: int, warmup: int) -> dict[int, lis
     return one_way
 
 
-def ping_pong(sizes: Sequence[int], repeats: int = 15, warmup: int = 3,
-              timeout: float = 120) -> dict[int, list[float]]:
+def ping_pong(
+    sizes: Sequence[int], repeats: int = 15, warmup: int = 3, timeout: float = 120
+) -> dict[int, list[float]]:
     """One-way time of a message of each size (bytes) between 2 gloo ranks: every repeat's
     seconds, warm-up rounds dropped (the first messages pay for connection set-up)."""
     from labkit.launch import launch
 
-    return launch(_ping_pong, list(sizes), repeats, warmup, world_size=2, timeout=timeout,
-                  quiet=True, backend="gloo")[0]
+    return launch(
+        _ping_pong,
+        list(sizes),
+        repeats,
+        warmup,
+        world_size=2,
+        timeout=timeout,
+        quiet=True,
+        backend="gloo",
+    )[0]
 
 
 # ---- the ring, step by step, from a real run ------------------------------------------------
@@ -261,8 +303,9 @@ def traced_ring() -> list[tuple[str, int, int, int]]:
     rank, p = dist.get_rank(), dist.get_world_size()
     seen: list[tuple[str, int, int, int]] = []
     x = torch.full((p,), float(2**rank))  # a partial sum spells who is in it
-    ring_all_reduce(x, trace=lambda phase, step, c, data: seen.append(
-        (phase, step, c, int(data[0].item()))))
+    ring_all_reduce(
+        x, trace=lambda phase, step, c, data: seen.append((phase, step, c, int(data[0].item())))
+    )
     return seen
 
 

@@ -21,7 +21,9 @@ def _size_axis(ax: Any, sizes: Sequence[float]) -> None:
     """Log-2 x axis with one tick per measured size, labelled 4 KB ... 256 MB."""
     ax.set_xscale("log", base=2)
     ticks = sorted(set(sizes))
-    ax.set_xticks(ticks, [human_bytes(s) for s in ticks], fontsize=TEXT, rotation=45 if len(ticks) > 6 else 0)
+    ax.set_xticks(
+        ticks, [human_bytes(s) for s in ticks], fontsize=TEXT, rotation=45 if len(ticks) > 6 else 0
+    )
     ax.minorticks_off()
     ax.set_xlabel("message size", fontsize=TEXT)
 
@@ -52,7 +54,7 @@ def plot_ring_snapshots(states: Sequence[tuple[str, list[list[int]]]]) -> Any:
     rows = -(-len(states) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
     cmap = plt.get_cmap("YlGnBu")
-    for ax in axes.flat[len(states):]:
+    for ax in axes.flat[len(states) :]:
         ax.axis("off")
     for ax, (title, masks) in zip(axes.flat, states):
         counts = [[bin(m).count("1") for m in row] for row in masks]
@@ -61,13 +63,22 @@ def plot_ring_snapshots(states: Sequence[tuple[str, list[list[int]]]]) -> Any:
             for c in range(p):
                 who = "".join(str(k) for k in range(p) if masks[r][c] >> k & 1)
                 dark = counts[r][c] / p > 0.6
-                ax.text(c, r, who, ha="center", va="center", fontsize=TEXT + 2,
-                        fontweight="bold", color="white" if dark else "black")
+                ax.text(
+                    c,
+                    r,
+                    who,
+                    ha="center",
+                    va="center",
+                    fontsize=TEXT + 2,
+                    fontweight="bold",
+                    color="white" if dark else "black",
+                )
         ax.set_title(title, fontsize=TEXT + 1)
         ax.set_xticks(range(p), [f"chunk {c}" for c in range(p)], fontsize=TEXT - 1)
         ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=TEXT)
-    fig.suptitle("which ranks' data each rank holds, chunk by chunk (darker = more ranks)",
-                 fontsize=TEXT + 2)
+    fig.suptitle(
+        "which ranks' data each rank holds, chunk by chunk (darker = more ranks)", fontsize=TEXT + 2
+    )
     fig.tight_layout()
     return fig
 
@@ -79,7 +90,9 @@ def plot_busbw(records: Sequence[BenchRecord], ops: Sequence[str] | None = None)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for colour, op in enumerate(ops or dict.fromkeys(r.op for r in records)):
         for impl in dict.fromkeys(r.impl for r in records):  # one colour per op: ours vs torch
-            pts = sorted((r.nbytes, r.busbw / 1e9) for r in records if r.op == op and r.impl == impl)
+            pts = sorted(
+                (r.nbytes, r.busbw / 1e9) for r in records if r.op == op and r.impl == impl
+            )
             if pts:
                 style = "-o" if impl == "ours" else "--x"
                 ax.plot(*zip(*pts), style, color=f"C{colour}", label=f"{op} ({impl})")
@@ -92,8 +105,12 @@ def plot_busbw(records: Sequence[BenchRecord], ops: Sequence[str] | None = None)
     return fig
 
 
-def plot_algorithms(model: dict[str, Callable[[float], float]], model_title: str,
-                    records: Sequence[BenchRecord], crossover: float | None = None) -> Any:
+def plot_algorithms(
+    model: dict[str, Callable[[float], float]],
+    model_title: str,
+    records: Sequence[BenchRecord],
+    crossover: float | None = None,
+) -> Any:
     """Two panels: the alpha-beta model's time per algorithm, and measured times (min..max bars)."""
     import matplotlib.pyplot as plt
 
@@ -102,7 +119,9 @@ def plot_algorithms(model: dict[str, Callable[[float], float]], model_title: str
     for name, seconds in model.items():
         model_ax.plot(grid, [seconds(d) * 1e3 for d in grid], label=name)
     if crossover is not None and grid[0] <= crossover <= grid[-1]:
-        model_ax.axvline(crossover, color="gray", ls=":", label=f"crossover {human_bytes(crossover)}")
+        model_ax.axvline(
+            crossover, color="gray", ls=":", label=f"crossover {human_bytes(crossover)}"
+        )
     _size_axis(model_ax, grid)
     _log_y(model_ax, "time (ms)")
     model_ax.set_title(model_title, fontsize=TEXT + 1)
@@ -110,7 +129,10 @@ def plot_algorithms(model: dict[str, Callable[[float], float]], model_title: str
     for impl in dict.fromkeys(r.impl for r in records):
         rs = sorted((r for r in records if r.impl == impl), key=lambda r: r.nbytes)
         mid = [r.time_s * 1e3 for r in rs]
-        err = [[m - r.time_min * 1e3 for m, r in zip(mid, rs)], [r.time_max * 1e3 - m for m, r in zip(mid, rs)]]
+        err = [
+            [m - r.time_min * 1e3 for m, r in zip(mid, rs)],
+            [r.time_max * 1e3 - m for m, r in zip(mid, rs)],
+        ]
         measured_ax.errorbar([r.nbytes for r in rs], mid, yerr=err, fmt="-o", capsize=3, label=impl)
     _size_axis(measured_ax, [r.nbytes for r in records])
     _log_y(measured_ax, "time (ms), median with min..max")
@@ -121,7 +143,9 @@ def plot_algorithms(model: dict[str, Callable[[float], float]], model_title: str
     return fig
 
 
-def plot_ping_pong(one_way: dict[int, list[float]], fit: Callable[[float], float] | None = None) -> Any:
+def plot_ping_pong(
+    one_way: dict[int, list[float]], fit: Callable[[float], float] | None = None
+) -> Any:
     """One-way message time against size: median with min..max bars, and the fitted line."""
     import statistics
 
@@ -130,8 +154,10 @@ def plot_ping_pong(one_way: dict[int, list[float]], fit: Callable[[float], float
     fig, ax = plt.subplots(figsize=(7, 4))
     sizes = sorted(one_way)
     mid = [statistics.median(one_way[s]) * 1e6 for s in sizes]
-    err = [[m - min(one_way[s]) * 1e6 for m, s in zip(mid, sizes)],
-           [max(one_way[s]) * 1e6 - m for m, s in zip(mid, sizes)]]
+    err = [
+        [m - min(one_way[s]) * 1e6 for m, s in zip(mid, sizes)],
+        [max(one_way[s]) * 1e6 - m for m, s in zip(mid, sizes)],
+    ]
     ax.errorbar(sizes, mid, yerr=err, fmt="o", capsize=4, label="measured: median, min..max")
     if fit is not None:
         ax.plot(sizes, [fit(s) * 1e6 for s in sizes], "--", label="fit: alpha + n * beta")
