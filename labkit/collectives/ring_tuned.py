@@ -153,29 +153,16 @@ class _AllGather:
             work.wait()
 
 
-def tuned_reduce_scatter(
-    output_shard: torch.Tensor,
-    input_full: torch.Tensor,
-    op: object = ReduceOp.SUM,
-    group: ProcessGroup | None = None,
-    *,
-    check: bool = True,
-    pool: BufferPool = DEFAULT_POOL,
-    block: int = BLOCK_BYTES,
-) -> torch.Tensor:
+def tuned_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
+                         op: object = ReduceOp.SUM, group: ProcessGroup | None = None, *,
+                         check: bool = True, pool: BufferPool = DEFAULT_POOL,
+                         block: int = BLOCK_BYTES) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_reduce_scatter`."""
     ring = _Ring(input_full.numel(), input_full.element_size(), group, block)
     n = input_full.numel()
-    validate(
-        "ring_reduce_scatter",
-        group,
-        {"output_shard": output_shard, "input_full": input_full},
-        {"numel of input_full": n},
-        op=op,
-        check=check,
-        pool=pool,
-        expected_numel={"output_shard": ring.size[ring.rank]},
-    )
+    validate("ring_reduce_scatter", group,
+             {"output_shard": output_shard, "input_full": input_full}, {"numel of input_full": n},
+             op=op, check=check, pool=pool, expected_numel={"output_shard": ring.size[ring.rank]})
     if ring.p == 1:
         output_shard.view(-1).copy_(input_full.view(-1))
     elif n > 0:
@@ -183,27 +170,15 @@ def tuned_reduce_scatter(
     return output_shard
 
 
-def tuned_all_gather(
-    output_full: torch.Tensor,
-    input_shard: torch.Tensor,
-    group: ProcessGroup | None = None,
-    *,
-    check: bool = True,
-    pool: BufferPool = DEFAULT_POOL,
-    block: int = BLOCK_BYTES,
-) -> torch.Tensor:
+def tuned_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
+                     group: ProcessGroup | None = None, *, check: bool = True,
+                     pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_all_gather`."""
     ring = _Ring(output_full.numel(), output_full.element_size(), group, block)
     n = output_full.numel()
-    validate(
-        "ring_all_gather",
-        group,
-        {"output_full": output_full, "input_shard": input_shard},
-        {"numel of output_full": n},
-        check=check,
-        pool=pool,
-        expected_numel={"input_shard": ring.size[ring.rank]},
-    )
+    validate("ring_all_gather", group, {"output_full": output_full, "input_shard": input_shard},
+             {"numel of output_full": n}, check=check, pool=pool,
+             expected_numel={"input_shard": ring.size[ring.rank]})
     flat = output_full.view(-1)
     mine = ring.chunk(flat, ring.rank)
     if mine.numel() and mine.data_ptr() != input_shard.data_ptr():
@@ -213,26 +188,13 @@ def tuned_all_gather(
     return output_full
 
 
-def tuned_all_reduce(
-    tensor: torch.Tensor,
-    op: object = ReduceOp.SUM,
-    group: ProcessGroup | None = None,
-    *,
-    check: bool = True,
-    pool: BufferPool = DEFAULT_POOL,
-    block: int = BLOCK_BYTES,
-) -> torch.Tensor:
+def tuned_all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM,
+                     group: ProcessGroup | None = None, *, check: bool = True,
+                     pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`; the phases overlap."""
     ring = _Ring(tensor.numel(), tensor.element_size(), group, block)
-    validate(
-        "ring_all_reduce",
-        group,
-        {"tensor": tensor},
-        {"numel": tensor.numel()},
-        op=op,
-        check=check,
-        pool=pool,
-    )
+    validate("ring_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()}, op=op,
+             check=check, pool=pool)
     if ring.p == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from labkit.measure.collectives import BenchRecord, human_bytes
+from labkit.measure.timing import Spread, spread
 
 __all__ = ["plot_ring_snapshots", "plot_busbw", "plot_algorithms", "plot_ping_pong"]
 
@@ -39,6 +40,25 @@ def _log_y(ax: Any, label: str) -> None:
     ax.set_ylabel(label, fontsize=TEXT)
     ax.tick_params(labelsize=TEXT)
     ax.grid(True, which="major", alpha=0.3)
+
+
+def _finish(fig: Any, ax: Any, sizes: Sequence[float], ylabel: str, title: str) -> Any:
+    """Size axis in KB/MB, log y with plain ticks, a title and a legend; returns ``fig``."""
+    _size_axis(ax, sizes)
+    _log_y(ax, ylabel)
+    ax.set_title(title, fontsize=TEXT + 1)
+    ax.legend(fontsize=TEXT - 1)
+    fig.tight_layout()
+    return fig
+
+
+def _spread_bars(ax: Any, x: Sequence[float], spreads: Sequence[Spread], unit: float,
+                 fmt: str, label: str) -> None:
+    """Median markers with min..max error bars, times scaled by ``unit`` (1e3: ms, 1e6: us)."""
+    mid = [s.median * unit for s in spreads]
+    low = [m - s.min * unit for m, s in zip(mid, spreads)]
+    high = [s.max * unit - m for m, s in zip(mid, spreads)]
+    ax.errorbar(x, mid, yerr=[low, high], fmt=fmt, capsize=3, label=label)
 
 
 def plot_ring_snapshots(states: Sequence[tuple[str, list[list[int]]]]) -> Any:
@@ -96,13 +116,9 @@ def plot_busbw(records: Sequence[BenchRecord], ops: Sequence[str] | None = None)
             if pts:
                 style = "-o" if impl == "ours" else "--x"
                 ax.plot(*zip(*pts), style, color=f"C{colour}", label=f"{op} ({impl})")
-    _size_axis(ax, [r.nbytes for r in records])
-    _log_y(ax, "busbw (GB/s)")
     p = records[0].world_size if records else "?"
-    ax.set_title(f"bus bandwidth, {p} ranks (higher is better)", fontsize=TEXT + 1)
-    ax.legend(fontsize=TEXT - 1)
-    fig.tight_layout()
-    return fig
+    title = f"bus bandwidth, {p} ranks (higher is better)"
+    return _finish(fig, ax, [r.nbytes for r in records], "busbw (GB/s)", title)
 
 
 def plot_algorithms(
@@ -122,48 +138,27 @@ def plot_algorithms(
         model_ax.axvline(
             crossover, color="gray", ls=":", label=f"crossover {human_bytes(crossover)}"
         )
-    _size_axis(model_ax, grid)
-    _log_y(model_ax, "time (ms)")
-    model_ax.set_title(model_title, fontsize=TEXT + 1)
-    model_ax.legend(fontsize=TEXT - 1)
+    _finish(fig, model_ax, grid, "time (ms)", model_title)
     for impl in dict.fromkeys(r.impl for r in records):
         rs = sorted((r for r in records if r.impl == impl), key=lambda r: r.nbytes)
-        mid = [r.time_s * 1e3 for r in rs]
-        err = [
-            [m - r.time_min * 1e3 for m, r in zip(mid, rs)],
-            [r.time_max * 1e3 - m for m, r in zip(mid, rs)],
-        ]
-        measured_ax.errorbar([r.nbytes for r in rs], mid, yerr=err, fmt="-o", capsize=3, label=impl)
-    _size_axis(measured_ax, [r.nbytes for r in records])
-    _log_y(measured_ax, "time (ms), median with min..max")
+        spreads = [Spread(r.time_min, r.time_s, r.time_max, 0) for r in rs]
+        _spread_bars(measured_ax, [r.nbytes for r in rs], spreads, 1e3, "-o", impl)
     p = records[0].world_size if records else "?"
-    measured_ax.set_title(f"measured all-reduce, {p} ranks", fontsize=TEXT + 1)
-    measured_ax.legend(fontsize=TEXT - 1)
-    fig.tight_layout()
-    return fig
+    sizes = [r.nbytes for r in records]
+    ylabel = "time (ms), median with min..max"
+    return _finish(fig, measured_ax, sizes, ylabel, f"measured all-reduce, {p} ranks")
 
 
 def plot_ping_pong(
     one_way: dict[int, list[float]], fit: Callable[[float], float] | None = None
 ) -> Any:
     """One-way message time against size: median with min..max bars, and the fitted line."""
-    import statistics
-
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     sizes = sorted(one_way)
-    mid = [statistics.median(one_way[s]) * 1e6 for s in sizes]
-    err = [
-        [m - min(one_way[s]) * 1e6 for m, s in zip(mid, sizes)],
-        [max(one_way[s]) * 1e6 - m for m, s in zip(mid, sizes)],
-    ]
-    ax.errorbar(sizes, mid, yerr=err, fmt="o", capsize=4, label="measured: median, min..max")
+    spreads = [spread(one_way[n]) for n in sizes]
+    _spread_bars(ax, sizes, spreads, 1e6, "o", "measured: median, min..max")
     if fit is not None:
         ax.plot(sizes, [fit(s) * 1e6 for s in sizes], "--", label="fit: alpha + n * beta")
-    _size_axis(ax, sizes)
-    _log_y(ax, "one-way time (us)")
-    ax.set_title("one message between two ranks", fontsize=TEXT + 1)
-    ax.legend(fontsize=TEXT - 1)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, sizes, "one-way time (us)", "one message between two ranks")
