@@ -189,14 +189,17 @@ def op_dtype_fields(op: object, dtype: torch.dtype) -> dict[str, int]:
     }
 
 
-def _agree(what: str, row: list[int], names: list[str], group: ProcessGroup | None) -> None:
+def _agree(
+    what: str, row: list[int], names: list[str], group: ProcessGroup | None, device: torch.device
+) -> None:
     """Every rank sends ``row`` (``[has a problem, *fields]``) to every other rank, in one batch.
 
     One step of latency for any ``p`` (all messages in flight at once), ``p - 1`` tiny messages
     per rank. Raises the same ValueError on every rank when a row has a problem or a field differs.
+    The table lives on the collective's device (NCCL sends only GPU tensors).
     """
     rank, p = group_rank_and_size(group)
-    table = torch.zeros(p, len(row), dtype=torch.int64)  # row r: what rank r sent
+    table = torch.zeros(p, len(row), dtype=torch.int64, device=device)  # row r: rank r's
     table[rank] = torch.tensor(row, dtype=torch.int64)
     others = [r for r in range(p) if r != rank]
     mine = table[rank]
@@ -207,7 +210,7 @@ def _agree(what: str, row: list[int], names: list[str], group: ProcessGroup | No
     )
     for work in recv_works + send_works:
         work.wait()
-    rows = table.tolist()
+    rows = table.cpu().tolist()
     failed = [r for r in range(p) if rows[r][0]]
     if failed:
         raise ValueError(
@@ -292,7 +295,9 @@ def validate(
     if problem is None and key in pool.validated:
         return
     try:
-        _agree(what, [int(problem is not None), *fields.values()], list(fields), group)
+        row = [int(problem is not None), *fields.values()]
+        devices = [t.device for t in tensors.values() if isinstance(t, torch.Tensor)]
+        _agree(what, row, list(fields), group, devices[0] if devices else torch.device("cpu"))
     except ValueError:
         if problem is None:
             raise
