@@ -129,14 +129,16 @@ def post(
     skip the same messages. Returns the receive handles and the send handles, in order (with
     NCCL, whose batch yields one handle, every entry waits for the whole batch).
     """
-    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t.numel()]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t.numel()]
+    # receives first: under gloo a send waits for the peer's "receive posted" notice, so
+    # announcing ours early lets the peer's data start flowing sooner (NCCL does not care)
+    ops = [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t.numel()]
+    ops += [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t.numel()]
     works: list[Any] = dist.batch_isend_irecv(ops) if ops else []
     if len(works) != len(ops):
         works = [_Joined(works)] * len(ops)
     handles = iter(works)
-    send_works = [next(handles) if t.numel() else _Joined([]) for t, _ in sends]
     recv_works = [next(handles) if t.numel() else _Joined([]) for t, _ in recvs]
+    send_works = [next(handles) if t.numel() else _Joined([]) for t, _ in sends]
     return recv_works, send_works
 
 

@@ -72,7 +72,8 @@ def ring_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
              {"numel of output_full": n}, check=check,
              expected_numel={"input_shard": chunk_sizes(n, p)[rank]})
     chunks = output_full.view(-1).tensor_split(p)  # views: receiving into them fills the output
-    chunks[rank].copy_(input_shard.view(-1))
+    if chunks[rank].data_ptr() != input_shard.data_ptr():  # not already in place
+        chunks[rank].copy_(input_shard.view(-1))
     for step in range(p - 1):
         c = (rank - step - 1) % p
         exchange(chunks[(rank - step) % p], right, chunks[c], left, group)

@@ -3,26 +3,27 @@
 Read ``ring.py`` first: this file changes how the messages move, never which chunk goes where.
 ``tests/test_collectives.py`` checks both against ``torch.distributed`` and against each other.
 
-* **Pieces.** Each chunk travels as a few messages (at most ``MAX_PIECES``, at least
-  ``block`` bytes each). The reduce-scatter adds a piece while the next one is still on the
-  wire; the all-gather forwards a piece the moment it lands, so step s+1 overlaps step s;
-  and in the all-reduce each finished piece of the reduce-scatter leaves for the all-gather
-  at once, so the two phases overlap instead of running back to back.
+* **Pieces.** In the reduce-scatter each chunk travels as a few messages (at most
+  ``MAX_PIECES``, at least ``block`` bytes each), so a piece is added while the next one is
+  still on the wire. All of a step's receives are posted before its sends: under gloo a send
+  waits for the peer's "receive posted" notice, which must not queue behind megabytes of data.
+* **What is not here, and why.** Pipelining across steps or phases (forwarding a piece of the
+  all-gather the moment it lands) would need each piece in its own batch, because NCCL only
+  matches a batch against the peer's matching batch; under gloo, per-piece batches put each
+  "receive posted" notice behind the previous piece's data and measured slower. So the
+  all-gather is the readable one: each chunk moves once, straight into the output.
 * **No allocation per call.** Partials live in two chunk-sized buffers of a
   :class:`~labkit.collectives.common.BufferPool`, used alternately (receive into one while the
-  other is sent). The all-gather receives straight into the output: zero copies. The last
-  reduce-scatter step adds straight into the output when no staging is needed.
+  other is sent). The last step adds straight into the output when no staging is needed.
 * **fp32 staging.** float16/bfloat16 partials travel and are added in float32 and rounded once,
   so the reduce-scatter moves twice the bytes of a 16-bit ring but is within 1 ulp of the sum.
-* **NCCL-safe.** Every message goes out in a ``dist.batch_isend_irecv`` batch
+* **NCCL-safe.** Each step is one ``dist.batch_isend_irecv`` batch
   (:func:`~labkit.collectives.common.post`) whose partner batch, on the neighbour, holds the
-  matching messages in the same order: piece k of step s on the sender is piece k of step s
-  on the receiver, because both cut every chunk at the same offsets (those of chunk 0).
+  matching messages in the same order: piece k on the sender is piece k on the receiver,
+  because both cut every chunk at the same offsets (those of chunk 0).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
@@ -39,6 +40,7 @@ from labkit.collectives.common import (
     post,
     validate,
 )
+from labkit.collectives.ring import ring_all_gather
 
 __all__ = ["tuned_reduce_scatter", "tuned_all_gather", "tuned_all_reduce", "BLOCK_BYTES"]
 
@@ -73,12 +75,11 @@ def _reduce_scatter(
     inp: torch.Tensor,
     op: object,
     pool: BufferPool,
-    on_piece: Any = None,
 ) -> None:
     """Ring reduce-scatter of flat ``inp`` into flat ``out`` (chunk ``rank``); AVG divides here.
 
     ``out`` may alias ``inp``'s own chunk: that chunk is read only at the last step, each piece
-    before that piece is written. ``on_piece(k)`` is called when piece k of ``out`` is final.
+    before that piece is written.
     """
     p, rank, acc = ring.p, ring.rank, accum_dtype(inp.dtype)
     bufs = [pool.get(f"ring.rs{i}", ring.size[0], acc, inp.device) for i in (0, 1)]
@@ -97,7 +98,7 @@ def _reduce_scatter(
         pieces = zip(
             recv_works, ring.pieces(recv), ring.pieces(ring.chunk(inp, c)), ring.pieces(out)
         )
-        for k, (work, got, own, result) in enumerate(pieces):
+        for work, got, own, result in pieces:
             work.wait()  # reduce this piece while the next ones are still arriving
             if direct:  # the last partial plus ours goes straight into the output
                 torch.add(got, own, out=result)
@@ -108,49 +109,9 @@ def _reduce_scatter(
                     (result if direct else got).div_(p)
                 if not direct:
                     result.copy_(got)  # the float32 result, rounded once to the output dtype
-                if on_piece is not None:
-                    on_piece(k)
         for work in send_works:
             work.wait()
         send = recv
-
-
-class _AllGather:
-    """Ring all-gather in place on flat ``out``, piece by piece.
-
-    Piece k of step s is one batch: send piece k of chunk ``r-s`` right, receive piece k of
-    chunk ``r-s-1`` from the left. The batch of step s+1 for piece k goes out as soon as piece
-    k of step s has landed (it is what the right neighbour needs next), so the steps overlap.
-    """
-
-    def __init__(self, ring: _Ring, out: torch.Tensor) -> None:
-        self.ring, self.out = ring, out
-        self.recvs: dict[tuple[int, int], Any] = {}
-        self.sends: list[Any] = []
-
-    def start(self, s: int, k: int) -> None:
-        """Post piece k of step s (its data, chunk ``r-s``, is here already)."""
-        r, p = self.ring.rank, self.ring.p
-        send = self.ring.pieces(self.ring.chunk(self.out, (r - s) % p))[k]
-        recv = self.ring.pieces(self.ring.chunk(self.out, (r - s - 1) % p))[k]
-        recv_works, send_works = post(
-            [(send, self.ring.right)], [(recv, self.ring.left)], self.ring.group
-        )
-        self.recvs[s, k] = recv_works[0]
-        self.sends += send_works
-
-    def finish(self) -> None:
-        pieces = range(len(self.ring.cuts))
-        for k in pieces:
-            if (0, k) not in self.recvs:  # unless the reduce-scatter started them already
-                self.start(0, k)
-        for s in range(self.ring.p - 1):
-            for k in pieces:
-                self.recvs[s, k].wait()
-                if s + 1 < self.ring.p - 1:
-                    self.start(s + 1, k)
-        for work in self.sends:
-            work.wait()
 
 
 def tuned_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
@@ -173,33 +134,25 @@ def tuned_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
 def tuned_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
                      group: ProcessGroup | None = None, *, check: bool = True,
                      pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
-    """Same contract as :func:`labkit.collectives.ring.ring_all_gather`."""
+    """Same contract as :func:`labkit.collectives.ring.ring_all_gather`, which it runs: the
+    readable all-gather already moves each chunk once, straight into the output, with no
+    arithmetic to overlap (``pool`` and ``block`` are accepted for a uniform signature)."""
     ring = _Ring(output_full.numel(), output_full.element_size(), group, block)
-    n = output_full.numel()
     validate("ring_all_gather", group, {"output_full": output_full, "input_shard": input_shard},
-             {"numel of output_full": n}, check=check, pool=pool,
+             {"numel of output_full": output_full.numel()}, check=check, pool=pool,
              expected_numel={"input_shard": ring.size[ring.rank]})
-    flat = output_full.view(-1)
-    mine = ring.chunk(flat, ring.rank)
-    if mine.numel() and mine.data_ptr() != input_shard.data_ptr():
-        mine.copy_(input_shard.view(-1))
-    if n > 0 and ring.p > 1:
-        _AllGather(ring, flat).finish()
-    return output_full
+    return ring_all_gather(output_full, input_shard, group, check=False)
 
 
 def tuned_all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM,
                      group: ProcessGroup | None = None, *, check: bool = True,
                      pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
-    """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`; the phases overlap."""
+    """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`."""
     ring = _Ring(tensor.numel(), tensor.element_size(), group, block)
     validate("ring_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()}, op=op,
              check=check, pool=pool)
     if ring.p == 1 or tensor.numel() == 0:
         return tensor
-    flat = tensor.view(-1)
-    gather = _AllGather(ring, flat)
-    mine = ring.chunk(flat, ring.rank)
-    _reduce_scatter(ring, mine, flat, op, pool, on_piece=lambda k: gather.start(0, k))
-    gather.finish()
-    return tensor
+    mine = ring.chunk(tensor.view(-1), ring.rank)
+    _reduce_scatter(ring, mine, tensor.view(-1), op, pool)
+    return ring_all_gather(tensor, mine, group, check=False)
