@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -138,15 +138,15 @@ class ThreeD:
     def __init__(self, gpt: GPT, cfg: ThreeDConfig, layout: Layout, adam: AdamConfig) -> None:
         d = cfg.degrees
         self.cfg, self.layout, self.model_cfg = cfg, layout, gpt.cfg
-        self.stages: Any = compose(
+        self.stages: Any = cast(Any, compose(
             gpt,
             layout,
             tensor_parallel=TPConfig(),
             checkpoint=cfg.checkpoint,
             pipeline=partial(pipeline_hook, virtual=cfg.virtual),
             data_parallel=partial(data_parallel_hook, zero=cfg.zero, adam=adam),
-        )
-        self.chunks: list[Any] = list(self.stages.chunks)  # this rank's _TPStage chunks
+        ))  # fmt: skip
+        self.chunks: list[Any] = [*self.stages.chunks]  # this rank's _TPStage chunks
         self.optimizer: Any = self.stages.optimizer
         self.sched = make_schedule(cfg.schedule, d.pp, cfg.micro_batches, cfg.virtual)
         # every rank creates every embedding pair (new_group is collective over the world)
