@@ -105,12 +105,13 @@ def train(cfg: LabConfig, verbose: bool = False) -> dict[str, Any]:
     t = cfg.threed
     job = build_threed(_model(cfg), t, cfg.adam)
     d, m = job.dp_rank, t.micro_batches
-    losses, times = [], []
+    losses, times, parts = [], [], []
     for step in range(cfg.steps):
         x, y = batch(cfg, step)
         start = time.perf_counter()
         loss = job.step(list(x[d * m : (d + 1) * m]), list(y[d * m : (d + 1) * m]))
         times.append(time.perf_counter() - start)
+        parts.append(job.last)
         if loss is not None:  # the dp replicas' mean, for printing and comparing
             mean = torch.tensor([loss])
             dist.all_reduce(mean, group=job.layout.dp_group)
@@ -130,6 +131,7 @@ def train(cfg: LabConfig, verbose: bool = False) -> dict[str, Any]:
         "losses": losses,
         "params": params,
         "times": times,
+        "parts": parts,
         "checksum": float(total.item()),
     }
 

@@ -21,6 +21,7 @@ dp, so the gradient is that of the mean loss over all dp * m micro-batches, the 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -153,6 +154,7 @@ class ThreeD:
         self.emb_group = embedding_groups(rank_grid(d)["pp"], cfg.virtual)
         self.loss_comm = Comm(layout.tp_group)
         self.pp_rank, self.dp_rank = layout.pp_rank, layout.dp_rank
+        self.last: dict[str, float] = {}  # the last step's seconds by part (see step)
 
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float | None:
         """One optimizer step on this replica's m micro-batches of tokens (b, T); returns the
@@ -163,12 +165,21 @@ class ThreeD:
         def loss_fn(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, tgt, self.loss_comm)  # (b, T, V/t)
 
+        t0 = time.perf_counter()
         res = pipeline_step(
             self.sched, self.chunks, inputs, targets, shape,
             group=self.layout.pp_group, loss_fn=loss_fn, barrier=False,
         )  # fmt: skip
+        t1 = time.perf_counter()
         self.reduce_tied()
+        t2 = time.perf_counter()
         self.optimizer.step()
+        # where the step's seconds went on this rank: forward/backward actions (tensor-
+        # parallel collectives included), waiting in the pipeline (bubble and p2p), the tied
+        # embedding's all-reduce, and the optimizer step (the dp reduction included)
+        busy = sum(end - start for a, start, end in res.timeline if a.is_compute)
+        self.last = {"compute": busy, "pipeline_wait": t1 - t0 - busy, "tied": t2 - t1,
+                     "optimizer": time.perf_counter() - t2}  # fmt: skip
         return res.loss
 
     def reduce_tied(self) -> None:
