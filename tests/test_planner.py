@@ -132,3 +132,51 @@ def test_planner_with_the_simulated_bubble_ranks_the_same() -> None:
     assert {z for z, _, _ in seen} == {0, 1} and {v for _, _, v in seen} == {1, 2}
     assert {r for _, r, _ in seen} == {"full", "selective"}
     assert all(0 < r.mfu < 1 for r in formula)
+
+
+def test_exercise_check_accepts_good_layouts_and_names_what_is_wrong(capsys) -> None:
+    from labkit.checks.core import CheckFailed
+    from labkit.checks.planner import SCENARIO, check_layout
+    from labkit.viz.planner import plan_3d
+
+    best = plan_3d(SCENARIO.model, SCENARIO.cluster, SCENARIO.global_batch)[0].candidate
+    choice = dict(dp=best.dp, tp=best.tp, pp=best.pp, micro_batch=best.micro_batch,
+                  zero=best.zero, recompute=best.recompute)
+    check_layout(choice)  # the planner's best (at v = 1) passes
+    assert "PASSED" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"does not fit: .* over by [\d.]+ GB .*largest part is"):
+        check_layout(dict(dp=32, tp=1, pp=1, micro_batch=1, zero=0, recompute="full"))
+    with pytest.raises(CheckFailed, match=r"not a valid layout.*dp=2 x tp=2 x pp=2 = 8 ranks"):
+        check_layout(dict(dp=2, tp=2, pp=2, micro_batch=1, zero=1, recompute="full"))
+    with pytest.raises(CheckFailed, match=r"fits .* but slow"):  # a deep pipeline, tiny m
+        check_layout(dict(dp=1, tp=2, pp=16, micro_batch=8, zero=1, recompute="full"), min_ratio=0.95)
+    with pytest.raises(CheckFailed, match="expected a dict with keys"):
+        check_layout(dict(dp=4, tp=4, pp=2))
+
+
+def test_memory_check_accepts_the_hand_formula_within_one_percent(capsys) -> None:
+    from labkit.checks.core import CheckFailed
+    from labkit.checks.planner import HAND_LAYOUT as c
+    from labkit.checks.planner import SCENARIO, check_memory
+
+    m = SCENARIO.model
+    s, V, L, h, a = m.block_size, m.vocab_size, m.n_layer, m.n_embd, m.n_head
+    t, p, d, b = c.tp, c.pp, c.dp, c.micro_batch
+    P = ((L / p) * (12 * h * h + 13 * h) + V * h) / t + s * h
+    mb = SCENARIO.global_batch // (d * b)
+    right = {
+        "parameters": 2 * P, "gradients": 4 * P, "optimizer": 12 * P / d,
+        "activations": min(p, mb) * (L / p) * 2 * s * b * h
+        + s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        "workspace": b * s * V / t * 4 + 1e9,
+    }  # fmt: skip
+    check_memory(right)
+    assert "PASSED" in capsys.readouterr().out
+    check_memory({k: v * 1.009 for k, v in right.items()})  # within 1%
+    # negative controls: the ZeRO paper's 2-byte gradients; ZeRO-1 forgotten; 2% off
+    with pytest.raises(CheckFailed, match=r"gradients: .*-50\.0%"):
+        check_memory({**right, "gradients": 2 * P})
+    with pytest.raises(CheckFailed, match=r"optimizer: .*\+100\.0%"):
+        check_memory({**right, "optimizer": 12 * P})
+    with pytest.raises(CheckFailed, match="activations"):
+        check_memory({**right, "activations": right["activations"] * 1.02})
