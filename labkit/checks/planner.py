@@ -91,15 +91,15 @@ def check_memory(
     """``estimate``: bytes per GPU by part (parameters, gradients, optimizer, activations,
     workspace) of ``cand``, each within 1% of the planner's; the first part off is named."""
     if not isinstance(estimate, dict) or set(estimate) != set(PARTS):
-        got = sorted(estimate) if isinstance(estimate, dict) else type(estimate).__name__
-        raise CheckFailed(f"expected a dict with keys {list(PARTS)}, got {got}")
+        keys = sorted(estimate) if isinstance(estimate, dict) else type(estimate).__name__
+        raise CheckFailed(f"expected a dict with keys {list(PARTS)}, got {keys}")
     want = _predict(cand, scenario).memory
     for part in PARTS:
-        got, exp = float(estimate[part]), want[part]
-        if abs(got - exp) > 0.01 * exp:
+        mine, exp = float(estimate[part]), want[part]
+        if abs(mine - exp) > 0.01 * exp:
             raise CheckFailed(
-                f"{part}: you estimate {got / 1e9:.3f} GB, the planner {exp / 1e9:.3f} GB "
-                f"({(got - exp) / exp:+.1%}); the other parts are not checked yet"
+                f"{part}: you estimate {mine / 1e9:.3f} GB, the planner {exp / 1e9:.3f} GB "
+                f"({(mine - exp) / exp:+.1%}); the other parts are not checked yet"
             )
     total = sum(want.values())
     passed(f"every part within 1%: {total / 1e9:.2f} GB per GPU for {cand}")
