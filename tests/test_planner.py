@@ -180,3 +180,21 @@ def test_memory_check_accepts_the_hand_formula_within_one_percent(capsys) -> Non
         check_memory({**right, "optimizer": 12 * P})
     with pytest.raises(CheckFailed, match="activations"):
         check_memory({**right, "activations": right["activations"] * 1.02})
+
+
+def test_planner_widget_replans_when_the_cluster_changes() -> None:
+    from labkit.viz.planner import PlannerWidget, gpt_of_size, plan_3d
+
+    w = PlannerWidget(billions=39, nodes=4)
+    want = plan_3d(gpt_of_size(39), CLUSTERS["dgx-a100-80gb"].with_nodes(4), 512)
+    assert [r.candidate for r in w.preds[:5]] == [r.candidate for r in want[:5]]
+    fits_80 = sum(r.fits for r in w.preds)
+    w.memory.value = 40
+    assert 0 < sum(r.fits for r in w.preds) < fits_80  # less memory: fewer layouts fit
+    w.inter.value = 5  # a slow inter-node link: the chosen layout's step gets slower or moves
+    assert w.preds[0].step_seconds >= want[0].step_seconds
+    w.nodes.value = 3  # 24 GPUs: every row of the new table is a 24-rank layout
+    assert all(r.candidate.degrees.world_size == 24 for r in w.preds)
+    assert "layouts fit of 40 GB" in w.table.value
+    with pytest.raises(ValueError, match="no GPT shape for 7B"):
+        gpt_of_size(7)
