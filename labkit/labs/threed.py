@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit.launch import launch, run_from_env
+from labkit.launch import launch, local_device, run_from_env
 from labkit.models.gpt import GPT, GPTConfig, lm_loss
 from labkit.parallel.layout import ParallelDegrees
 from labkit.parallel.threed import ThreeDConfig, build_threed, check_threed
@@ -103,17 +103,20 @@ def train(cfg: LabConfig, verbose: bool = False) -> dict[str, Any]:
     dp on the last stage; None elsewhere), its stage's full parameters (tp rank 0 of dp
     replica 0 only, else {}), the step times, and the checksum (rank 0: every stage's)."""
     t = cfg.threed
-    job = build_threed(_model(cfg), t, cfg.adam)
+    device = local_device()  # cuda:LOCAL_RANK under NCCL, else the CPU
+    job = build_threed(_model(cfg).to(device), t, cfg.adam)
     d, m = job.dp_rank, t.micro_batches
     losses, times, parts = [], [], []
     for step in range(cfg.steps):
-        x, y = batch(cfg, step)
+        x, y = (z.to(device) for z in batch(cfg, step))  # (dp * m, b, T) each
         start = time.perf_counter()
         loss = job.step(list(x[d * m : (d + 1) * m]), list(y[d * m : (d + 1) * m]))
+        if device.type == "cuda":  # the step's kernels done before the clock stops
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         parts.append(job.last)
         if loss is not None:  # the dp replicas' mean, for printing and comparing
-            mean = torch.tensor([loss])
+            mean = torch.tensor([loss], device=device)
             dist.all_reduce(mean, group=job.layout.dp_group)
             loss = mean.item() / t.degrees.dp
         losses.append(loss)
@@ -121,9 +124,9 @@ def train(cfg: LabConfig, verbose: bool = False) -> dict[str, Any]:
             print(f"step {step}: loss {loss:.6f} ({times[-1] * 1e3:.0f} ms)", flush=True)
     full = job.gather_full()
     keep = job.layout.tp_rank == 0 and d == 0
-    params = full if keep else {}
+    params = {n: x.cpu() for n, x in full.items()} if keep else {}
     # the checksum: each stage's sum once (tp rank 0 of replica 0), summed over the world
-    total = torch.tensor([checksum(params) if keep else 0.0], dtype=torch.float64)
+    total = torch.tensor([checksum(params) if keep else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     job.close()
     return {
