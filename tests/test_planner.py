@@ -102,3 +102,99 @@ def test_bad_input_names_the_values() -> None:
         Cluster(nodes=8, gpus_per_node=8, memory_bytes=80e9, peak_flops=1e15, intra_bandwidth=1e11, inter_bandwidth=0)
     with pytest.raises(ValueError, match="global batch 6 is not divisible by dp=4 x micro-batch 1"):
         predict(cfg, cluster, 6, Candidate(dp=4, tp=2, pp=1, micro_batch=1))
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), [
+    ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 3, 1), ("gpipe", 4, 6, 1),
+    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 4, 4),
+])
+def test_simulated_bubble_agrees_with_the_closed_form(schedule, p, m, v) -> None:
+    from labkit.planner.bubble import bubble_formula, simulated_bubble
+
+    sim = simulated_bubble(p, m, v, 0.3, schedule)
+    assert sim == pytest.approx(bubble_formula(p, v, 0.3), rel=1e-9)
+    # negative control: the zero-bubble idea in the formula would be wrong for these schedules
+    assert sim > bubble_formula(p, v, 0.3) / 2
+
+
+def test_planner_with_the_simulated_bubble_ranks_the_same() -> None:
+    cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=48, n_head=64, n_embd=8192)
+    cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(8)
+    kw = dict(micro_batches=(1, 2), virtual=(1, 2), zero_stages=(0, 1), recompute=("full", "selective"))
+    formula = plan(cfg, cluster, 128, **kw)
+    simulated = plan(cfg, cluster, 128, bubble="simulated", **kw)
+    assert [r.candidate for r in formula[:10]] == [r.candidate for r in simulated[:10]]
+    for a, b in zip(formula, simulated):
+        if a.candidate == b.candidate:
+            assert b.time["bubble"] == pytest.approx(a.time["bubble"], rel=1e-6)
+    # the enumeration covers the axes, and MFU is in (0, 1)
+    seen = {(r.candidate.zero, r.candidate.recompute, r.candidate.virtual) for r in formula}
+    assert {z for z, _, _ in seen} == {0, 1} and {v for _, _, v in seen} == {1, 2}
+    assert {r for _, r, _ in seen} == {"full", "selective"}
+    assert all(0 < r.mfu < 1 for r in formula)
+
+
+def test_exercise_check_accepts_good_layouts_and_names_what_is_wrong(capsys) -> None:
+    from labkit.checks.core import CheckFailed
+    from labkit.checks.planner import SCENARIO, check_layout
+    from labkit.viz.planner import plan_3d
+
+    best = plan_3d(SCENARIO.model, SCENARIO.cluster, SCENARIO.global_batch)[0].candidate
+    choice = dict(dp=best.dp, tp=best.tp, pp=best.pp, micro_batch=best.micro_batch,
+                  zero=best.zero, recompute=best.recompute)
+    check_layout(choice)  # the planner's best (at v = 1) passes
+    assert "PASSED" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"does not fit: .* over by [\d.]+ GB .*largest part is"):
+        check_layout(dict(dp=32, tp=1, pp=1, micro_batch=1, zero=0, recompute="full"))
+    with pytest.raises(CheckFailed, match=r"not a valid layout.*dp=2 x tp=2 x pp=2 = 8 ranks"):
+        check_layout(dict(dp=2, tp=2, pp=2, micro_batch=1, zero=1, recompute="full"))
+    with pytest.raises(CheckFailed, match=r"fits .* but slow"):  # a deep pipeline, tiny m
+        check_layout(dict(dp=1, tp=2, pp=16, micro_batch=8, zero=1, recompute="full"), min_ratio=0.95)
+    with pytest.raises(CheckFailed, match="expected a dict with keys"):
+        check_layout(dict(dp=4, tp=4, pp=2))
+
+
+def test_memory_check_accepts_the_hand_formula_within_one_percent(capsys) -> None:
+    from labkit.checks.core import CheckFailed
+    from labkit.checks.planner import HAND_LAYOUT as c
+    from labkit.checks.planner import SCENARIO, check_memory
+
+    m = SCENARIO.model
+    s, V, L, h, a = m.block_size, m.vocab_size, m.n_layer, m.n_embd, m.n_head
+    t, p, d, b = c.tp, c.pp, c.dp, c.micro_batch
+    P = ((L / p) * (12 * h * h + 13 * h) + V * h) / t + s * h
+    mb = SCENARIO.global_batch // (d * b)
+    right = {
+        "parameters": 2 * P, "gradients": 4 * P, "optimizer": 12 * P / d,
+        "activations": min(p, mb) * (L / p) * 2 * s * b * h
+        + s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        "workspace": b * s * V / t * 4 + 1e9,
+    }  # fmt: skip
+    check_memory(right)
+    assert "PASSED" in capsys.readouterr().out
+    check_memory({k: v * 1.009 for k, v in right.items()})  # within 1%
+    # negative controls: the ZeRO paper's 2-byte gradients; ZeRO-1 forgotten; 2% off
+    with pytest.raises(CheckFailed, match=r"gradients: .*-50\.0%"):
+        check_memory({**right, "gradients": 2 * P})
+    with pytest.raises(CheckFailed, match=r"optimizer: .*\+100\.0%"):
+        check_memory({**right, "optimizer": 12 * P})
+    with pytest.raises(CheckFailed, match="activations"):
+        check_memory({**right, "activations": right["activations"] * 1.02})
+
+
+def test_planner_widget_replans_when_the_cluster_changes() -> None:
+    from labkit.viz.planner import PlannerWidget, gpt_of_size, plan_3d
+
+    w = PlannerWidget(billions=39, nodes=4)
+    want = plan_3d(gpt_of_size(39), CLUSTERS["dgx-a100-80gb"].with_nodes(4), 512)
+    assert [r.candidate for r in w.preds[:5]] == [r.candidate for r in want[:5]]
+    fits_80 = sum(r.fits for r in w.preds)
+    w.memory.value = 40
+    assert 0 < sum(r.fits for r in w.preds) < fits_80  # less memory: fewer layouts fit
+    w.inter.value = 5  # a slow inter-node link: the chosen layout's step gets slower or moves
+    assert w.preds[0].step_seconds >= want[0].step_seconds
+    w.nodes.value = 3  # 24 GPUs: every row of the new table is a 24-rank layout
+    assert all(r.candidate.degrees.world_size == 24 for r in w.preds)
+    assert "layouts fit of 40 GB" in w.table.value
+    with pytest.raises(ValueError, match="no GPT shape for 7B"):
+        gpt_of_size(7)

@@ -16,6 +16,9 @@ Why this order:
    finally holds (its tensor-parallel shard of its pipeline stage), over ``dp_group``.
 
 Every step receives its process group from the :class:`~labkit.parallel.Layout`.
+:mod:`labkit.parallel.threed` fills the two hooks for dp x tp x pp: ``pipeline_hook`` keeps
+this rank's stage(s) of the tensor-parallel GPT, ``data_parallel_hook`` gives them an AdamW
+(DDP or ZeRO-1) that reduces gradients over ``dp_group`` only.
 """
 
 from __future__ import annotations

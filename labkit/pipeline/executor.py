@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,11 +95,13 @@ def pipeline_step(
     emb_group: dist.ProcessGroup | None = None,
     dtype: torch.dtype = torch.float32,
     barrier: bool = True,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
 ) -> StepResult:
     """One training step's forward and backward on this pipeline rank (gradients accumulate in
     ``.grad``; the caller steps the optimizer). ``inputs``/``targets``: the m micro-batches
     of tokens (B, T), needed on the first/last stage's rank. ``act_shape``: (B, T, d), the
-    shape of every activation and gradient that crosses ranks."""
+    shape of every activation and gradient that crosses ranks. ``loss_fn(output, targets)``:
+    the last stage's loss (a vocab-parallel one when the head is tensor-parallel)."""
     rank = dist.get_rank(group)
     device = next(chunks[0].parameters()).device
     last_stage = sched.num_stages - 1
@@ -167,7 +170,7 @@ def pipeline_step(
             else:
                 y = chunk(x)
             if s == last_stage:
-                y = lm_loss(y, targets[a.mb]) / sched.m  # type: ignore[index]
+                y = loss_fn(y, targets[a.mb]) / sched.m  # type: ignore[index]
                 loss_sum += y.item() * sched.m
             elif sched.place(s + 1)[0] == rank:
                 local[("F", a.mb, a.chunk + 1)] = y.detach()

@@ -107,8 +107,11 @@ def predict(
     *,
     efficiency: float = 0.5,
     precision: Precision = MEGATRON_MIXED,
+    bubble: str = "formula",
 ) -> Prediction:
-    """Memory per GPU, seconds per iteration and MFU of one candidate (module docstring)."""
+    """Memory per GPU, seconds per iteration and MFU of one candidate (module docstring).
+    ``bubble``: "formula" ((p - 1)/v slots) or "simulated" (the pipeline simulator's replay of
+    the schedule, :mod:`labkit.planner.bubble`)."""
     cand.degrees.check_world_size(cluster.world_size)
     cand.degrees.check_model(hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer)
     if not 0 < efficiency <= 1:
@@ -160,7 +163,7 @@ def predict(
     dp_comm = dp_factor * ring_all_reduce_time(grad_bytes, d, alpha, 1 / bw) if d > 1 else 0.0
     time = {
         "compute": compute,
-        "bubble": per_micro * (p - 1) / v,
+        "bubble": _bubble(bubble, p, m, v, per_micro),
         "tp_comm": tp_comm,
         "pp_comm": pp_comm,
         "dp_comm": dp_comm,
@@ -177,6 +180,16 @@ def predict(
     )
 
 
+def _bubble(kind: str, p: int, m: int, v: int, per_micro: float) -> float:
+    from labkit.planner.bubble import bubble_formula, simulated_bubble
+
+    if kind == "formula":
+        return bubble_formula(p, v, per_micro)
+    if kind == "simulated":
+        return simulated_bubble(p, m, v, per_micro)
+    raise ValueError(f"bubble={kind!r}: expected 'formula' or 'simulated'")
+
+
 def enumerate_candidates(
     cfg: GPTConfig,
     cluster: Cluster,
@@ -189,7 +202,8 @@ def enumerate_candidates(
     sp: tuple[bool, ...] = (False,),
 ) -> list[Candidate]:
     """Every layout that splits the model evenly: t divides the heads (and h), p divides the
-    layers (times v), dp = GPUs / (t p), and dp x micro-batch divides the global batch."""
+    layers (times v), dp = GPUs / (t p), and dp x micro-batch divides the global batch (and,
+    interleaved, p divides the micro-batch count m)."""
     n = cluster.world_size
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     out = []
@@ -199,6 +213,8 @@ def enumerate_candidates(
         d = n // (t * p)
         for b, z, r, v, q in itertools.product(micro_batches, zero_stages, recompute, virtual, sp):
             if global_batch % (d * b) or (v > 1 and (p == 1 or cfg.n_layer % (p * v))):
+                continue
+            if v > 1 and (global_batch // (d * b)) % p:  # interleaving needs m % p == 0
                 continue
             if q and t == 1:
                 continue
@@ -212,9 +228,11 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
         raise ValueError(f"global batch must be >= 1, got {global_batch}")
     efficiency = float(kwargs.pop("efficiency", 0.5))  # type: ignore[arg-type]
     precision = kwargs.pop("precision", MEGATRON_MIXED)
+    bubble = str(kwargs.pop("bubble", "formula"))
     cands = enumerate_candidates(cfg, cluster, global_batch, **kwargs)  # type: ignore[arg-type]
     preds = [
-        predict(cfg, cluster, global_batch, c, efficiency=efficiency, precision=precision)  # type: ignore[arg-type]
+        predict(cfg, cluster, global_batch, c, efficiency=efficiency, precision=precision,  # type: ignore[arg-type]
+                bubble=bubble)
         for c in cands
     ]
     return sorted(preds, key=lambda r: (not r.fits, r.step_seconds, r.candidate.tp * r.candidate.pp))
