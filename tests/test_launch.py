@@ -137,8 +137,10 @@ def _deadlock():
 def test_hang_times_out_with_every_ranks_stack(job_tag):
     start = time.monotonic()
     with pytest.raises(JobTimeoutError) as info:
-        launch(_deadlock, world_size=2, timeout=6, env={"LABKIT_TEST_TAG": job_tag})
-    assert time.monotonic() - start < 20
+        # the deadline counts from the launch, so it must leave the ranks time to start
+        # (seconds on a loaded 2-core machine) and reach the hang
+        launch(_deadlock, world_size=2, timeout=15, env={"LABKIT_TEST_TAG": job_tag})
+    assert time.monotonic() - start < 40
     stacks = info.value.stacks
     assert set(stacks) == {0, 1}
     assert "time.sleep(600)" not in stacks[0]  # faulthandler gives file/line/function

@@ -10,7 +10,6 @@ Korthikanti et al. 2022's per-layer quantity, on this rank.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,7 @@ def layer_activation_bytes(gpt: Any, idx: torch.Tensor, block: int = 0) -> int:
         mt.register(gpt.parameters(), "parameters")
         before = mt.current_by_category()["activations"]
         y = gpt.blocks[block](x)
-        gc.collect()  # a storage in a reference cycle is freed only by the collector
+        mt.settle()  # cycles collected; gloo's threads let go of the collectives' tensors
         kept = mt.current_by_category()["activations"] - before
     del y
     return kept

@@ -220,6 +220,26 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self._default = before
 
+    def settle(self, timeout: float = 1.0, quiet_polls: int = 5, poll: float = 0.01) -> None:
+        """Wait (at most ``timeout`` seconds) until the live bytes stop changing.
+
+        gloo's worker threads drop their reference to a finished collective's tensors a moment
+        after the caller has returned (longer on a loaded machine), and a reference cycle holds
+        a storage until the collector runs. Read or reset the ledger after ``settle()``, not
+        right after communication: a real leak stays and is still counted.
+        """
+        import gc
+        import time
+
+        gc.collect()
+        deadline = time.monotonic() + timeout
+        last, same = self.current_by_category(), 0
+        while same < quiet_polls and time.monotonic() < deadline:
+            time.sleep(poll)
+            now = self.current_by_category()
+            same = same + 1 if now == last else 0
+            last = now
+
     def reset_peak(self) -> None:
         """Restart the peaks from the current values (e.g. after building the model)."""
         with self._lock:

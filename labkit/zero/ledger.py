@@ -65,6 +65,7 @@ def measure(
         opt = make_optimizer(stage, model, cfg, memory=mt, **opt_kwargs)
         frozen = [p for p in model.parameters() if not p.requires_grad]
         mt.register(frozen, "parameters")
+        mt.settle()  # the set-up's collectives may still hold tensors on gloo's threads
         mt.reset_peak()
         opt.comm.reset()
         for step in range(steps):
