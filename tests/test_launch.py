@@ -296,12 +296,22 @@ def test_overlapping_launches_never_collide(job_tag):
     assert latest_start < earliest_end, "the launches did not all run at the same time"
 
 
-def test_config_is_validated_dataclass():
-    cfg = LaunchConfig(world_size=4)
-    assert cfg.backend == "gloo" and cfg.start_method == "forkserver"
+def test_default_backend_follows_the_gpus_per_rank(monkeypatch):
+    # NCCL exactly when every rank can have its own GPU; gloo otherwise (whatever this box has)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert LaunchConfig(world_size=4).backend == "nccl"
+    assert LaunchConfig(world_size=5).backend == "gloo"
+    assert LaunchConfig(world_size=4, backend="gloo").backend == "gloo"
+    with pytest.raises(ValueError, match="world_size=5 but 4 GPU"):
+        LaunchConfig(world_size=5, backend="nccl")
+
+
+def test_launch_is_a_callable_package():
     # labkit.launch is both the entry point and the package behind it
-    assert labkit.launch(_tiny, 5, world_size=1, timeout=60, quiet=True) == [50]
-    assert labkit.launch.local_device().type == "cpu"
+    assert labkit.launch(_tiny, 5, world_size=1, timeout=60, quiet=True, backend="gloo") == [50]
+    assert labkit.launch.local_device().type in ("cpu", "cuda")
 
 
 _TORCHRUN_SCRIPT = textwrap.dedent(
