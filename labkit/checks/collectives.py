@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks.core import CheckFailed, compare, launch_check, passed
-from labkit.collectives.common import chunk_offsets
+from labkit.collectives.common import chunk_offsets, chunk_sizes
+from labkit.collectives.nccl_order import P2PCall, record_p2p
 from labkit.launch import JobTimeoutError, RankFailedError
 
 LABEL_SIZES = (6, 7, 2)  # even chunks first (schedule bugs), then [3, 2, 2], then [1, 1, 0]
@@ -36,27 +37,50 @@ SIZES = (1, 2, 7, 1001)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+NATIVE = (
+    "all_reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "scatter",
+    "gather",
+    "all_reduce_coalesced",
+)
+
+
+class NativeCollectiveUsed(RuntimeError):
+    """The learner's ring called one of torch's collectives instead of sending messages."""
+
+
 @contextlib.contextmanager
-def _record_sends(log: list[tuple[int, torch.Tensor]]) -> Iterator[None]:
-    """Log ``(dst, copy of data)`` of every send while active (P2POp and batch calls included)."""
+def _no_native_collectives() -> Iterator[None]:
+    """Make torch's collectives raise while active (the check's own calls run outside it)."""
     import torch.distributed.distributed_c10d as c10d
 
-    originals = {name: getattr(c10d, name) for name in ("send", "isend")}
+    originals = {name: getattr(c10d, name) for name in NATIVE if hasattr(c10d, name)}
 
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def sending(tensor: torch.Tensor, dst: int | None = None, *args: Any, **kwargs: Any) -> Any:
-            peer = dst if dst is not None else kwargs.get("group_dst", kwargs.get("dst"))
-            log.append((-1 if peer is None else int(peer), tensor.detach().clone()))
-            return fn(tensor, dst, *args, **kwargs)
+    def refuse(name: str) -> Callable[..., Any]:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise NativeCollectiveUsed(
+                f"dist.{name} is switched off during this check: the exercise is to build the "
+                "ring from point-to-point messages (dist.isend/irecv/send/recv or "
+                "dist.batch_isend_irecv), not to call torch's collective and slice its result"
+            )
 
-        return sending
+        return refused
 
-    # P2POp accepts only the functions c10d itself names `isend`/`irecv`: patch both places.
-    wrapped = {name: wrap(fn) for name, fn in originals.items()}
     try:
-        for name, fn in wrapped.items():
-            setattr(c10d, name, fn)
-            setattr(dist, name, fn)
+        for name in originals:
+            setattr(c10d, name, refuse(name))
+            setattr(dist, name, refuse(name))
         yield
     finally:
         for name, fn in originals.items():
@@ -64,11 +88,27 @@ def _record_sends(log: list[tuple[int, torch.Tensor]]) -> Iterator[None]:
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def _record_sends(log: list[tuple[int, torch.Tensor]]) -> Iterator[None]:
+    """Log ``(dst, copy of data)`` of every send while active; no native collective allowed."""
+    calls: list[P2PCall] = []
+    with _no_native_collectives(), record_p2p(calls, copy_sends=True):
+        yield
+    # data messages only: integer messages are argument checks (labkit's own ring validates)
+    log += [
+        (c.peer, c.data)
+        for c in calls
+        if c.kind == "send" and c.data is not None and c.data.is_floating_point()
+    ]
+
+
 def _labels(n: int, rank: int) -> torch.Tensor:
     return 16 * torch.arange(n, dtype=torch.float32) + 2**rank
 
 
-def _on_rank(rs: Callable[..., Any], ag: Callable[..., Any], ar: Callable[..., Any] | None) -> dict[str, Any]:
+def _on_rank(
+    rs: Callable[..., Any], ag: Callable[..., Any], ar: Callable[..., Any] | None
+) -> dict[str, Any]:
     rank, p = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {"labelled": [], "random": []}
     for n in LABEL_SIZES:
@@ -84,7 +124,9 @@ def _on_rank(rs: Callable[..., Any], ag: Callable[..., Any], ar: Callable[..., A
         out["labelled"].append((n, shard, sends, full, ag_sends))
         # stop at the first wrong labelled case (it is the one worth explaining), all ranks together
         want_shard = torch.stack([_labels(n, r) for r in range(p)]).sum(0)[lo:hi]
-        want_full = torch.cat([_labels(n, r)[chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]] for r in range(p)])
+        want_full = torch.cat(
+            [_labels(n, r)[chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]] for r in range(p)]
+        )
         ok = shard.shape == want_shard.shape and full.shape == want_full.shape
         ok = ok and torch.equal(shard, want_shard) and torch.equal(full, want_full)
         wrong = torch.tensor([0.0 if ok else 1.0])
@@ -92,16 +134,20 @@ def _on_rank(rs: Callable[..., Any], ag: Callable[..., Any], ar: Callable[..., A
         if wrong.item():
             return out
     for case, (n, dtype) in enumerate((n, d) for d in DTYPES for n in SIZES):
-        xs = [torch.randn(n, generator=torch.Generator().manual_seed(case * 10 + r)).to(dtype) for r in range(p)]
+        xs = [
+            torch.randn(n, generator=torch.Generator().manual_seed(case * 10 + r)).to(dtype)
+            for r in range(p)
+        ]
         lo, hi = chunk_offsets(n, p)[rank : rank + 2]
         shard = torch.full((hi - lo,), float("nan"), dtype=dtype)
-        rs(shard, xs[rank].clone())
         full = torch.full((n,), float("nan"), dtype=dtype)
-        ag(full, xs[rank][lo:hi].clone())
         reduced = None
-        if ar is not None:
-            reduced = xs[rank].clone()
-            ar(reduced)
+        with _no_native_collectives():
+            rs(shard, xs[rank].clone())
+            ag(full, xs[rank][lo:hi].clone())
+            if ar is not None:
+                reduced = xs[rank].clone()
+                ar(reduced)
         out["random"].append((n, dtype, xs, shard, full, reduced))
     return out
 
@@ -115,7 +161,10 @@ def _who(value: float, p: int) -> str:
     ranks = [r for r in range(p) if mask >> r & 1]
     index = v // 16 / max(1, len(ranks))
     if index != int(index):
-        return f"data of ranks {ranks}, but not all from the same index (they average {index:.2f}): chunks got mixed"
+        return (
+            f"data of ranks {ranks}, but not all from the same index (they average {index:.2f}): "
+            "chunks got mixed"
+        )
     return f"data of ranks {ranks} from index {int(index)}"
 
 
@@ -130,7 +179,10 @@ def _steps(phase: str, rank: int, sends: list[tuple[int, torch.Tensor]], n: int,
     lines = []
     for step, (dst, data) in enumerate(sends):
         if phase == "reduce-scatter":  # the partial of chunk r-s-1, grown by one rank per step
-            want_c, want_ranks = (rank - step - 1) % p, sorted((rank - k) % p for k in range(step + 1))
+            want_c, want_ranks = (
+                (rank - step - 1) % p,
+                sorted((rank - k) % p for k in range(step + 1)),
+            )
         else:  # all-gather forwards finished chunks
             want_c, want_ranks = (rank - step) % p, [(rank - step) % p]
         got = _who(float(data[0]), p) if data.numel() else "an empty tensor"
@@ -138,11 +190,16 @@ def _steps(phase: str, rank: int, sends: list[tuple[int, torch.Tensor]], n: int,
         want_first = sum(16 * first + 2**r for r in want_ranks) if off[want_c + 1] > first else None
         differs = (float(data[0]) if data.numel() else None) != want_first
         lines.append(
-            f"    {phase} step {step}: rank {rank} sent to rank {dst}: {got}; the ring sends chunk {want_c} "
-            f"(index {first}..) holding data of ranks {want_ranks}" + ("   <-- differs" if differs else "")
+            f"    {phase} step {step}: rank {rank} sent to rank {dst}: {got}; the ring sends "
+            f"chunk {want_c} "
+            f"(index {first}..) holding data of ranks {want_ranks}"
+            + ("   <-- differs" if differs else "")
         )
     if len(sends) != p - 1:
-        lines.append(f"    rank {rank} sent {len(sends)} messages; a ring sends world_size - 1 = {p - 1} per phase")
+        lines.append(
+            f"    rank {rank} sent {len(sends)} messages; a ring sends world_size - 1 = {p - 1} "
+            "per phase"
+        )
     return "\n".join(lines)
 
 
@@ -152,29 +209,71 @@ def _explain_labelled(results: list[dict[str, Any]], p: int) -> str | None:
             n, shard, sends, _, _ = res["labelled"][i]
             lo, hi = chunk_offsets(n, p)[rank : rank + 2]
             expected = torch.stack([_labels(n, r) for r in range(p)]).sum(0)[lo:hi]
-            problem = compare(expected, shard, what=f"reduce_scatter, {n} elements, rank {rank}'s shard (chunk {rank})")
+            problem = compare(
+                expected,
+                shard,
+                what=f"reduce_scatter, {n} elements, rank {rank}'s shard (chunk {rank})",
+            )
             if problem:
                 detail = ""
                 if shard.shape == expected.shape:
                     j = int(((shard - expected).abs() > 0).logical_or(shard.isnan()).nonzero()[0])
                     detail = (
-                        f"\n  Element {j} of the shard is index {lo + j} of chunk {rank}: it should hold the data of "
-                        f"ranks {list(range(p))} from index {lo + j}; it holds {_who(float(shard[j]), p)}."
+                        f"\n  Element {j} of the shard is index {lo + j} of chunk {rank}: it "
+                        "should hold the data of "
+                        f"ranks {list(range(p))} from index {lo + j}; it holds "
+                        f"{_who(float(shard[j]), p)}."
                     )
-                return f"{problem}.{detail}\n  Messages rank {rank} sent (labels decoded):\n{_steps('reduce-scatter', rank, sends, n, p)}"
+                steps = _steps("reduce-scatter", rank, sends, n, p)
+                return f"{problem}.{detail}\n  Messages rank {rank} sent (labels decoded):\n{steps}"
         for rank, res in enumerate(results):
             n, _, _, full, _ = res["labelled"][i]
-            expected = torch.cat([_labels(n, r)[chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]] for r in range(p)])
-            problem = compare(expected, full, what=f"all_gather, {n} elements, rank {rank}'s output")
+            expected = torch.cat(
+                [
+                    _labels(n, r)[chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]]
+                    for r in range(p)
+                ]
+            )
+            problem = compare(
+                expected, full, what=f"all_gather, {n} elements, rank {rank}'s output"
+            )
             if problem:
                 detail = ""
                 if full.shape == expected.shape:
                     j = int(((full - expected).abs() > 0).logical_or(full.isnan()).nonzero()[0])
                     c = _chunk_of(j, n, p)
-                    detail = f"\n  Index {j} lies in chunk {c}, which rank {c} owns; it holds {_who(float(full[j]), p)}, not rank {c}'s data from index {j}."
+                    detail = (
+                        f"\n  Index {j} lies in chunk {c}, which rank {c} owns; it holds "
+                        f"{_who(float(full[j]), p)}, not rank {c}'s data from index {j}."
+                    )
                 _, _, _, _, ag_sends = results[(rank - 1) % p]["labelled"][i]
                 left = (rank - 1) % p
-                return f"{problem}.{detail}\n  Messages rank {left} (its left neighbour) sent:\n{_steps('all-gather', left, ag_sends, n, p)}"
+                steps = _steps("all-gather", left, ag_sends, n, p)
+                who = f"Messages rank {left} (its left neighbour) sent"
+                return f"{problem}.{detail}\n  {who}:\n{steps}"
+    return None
+
+
+def _message_problem(results: list[dict[str, Any]], p: int) -> str | None:
+    """Exactly p - 1 messages per phase per rank, none longer than a chunk (non-empty chunks)."""
+    for i, (n, *_) in enumerate(results[0]["labelled"]):
+        if min(chunk_sizes(n, p)) == 0:
+            continue  # empty chunks: a ring may skip sending them
+        longest = max(chunk_sizes(n, p))
+        for rank, res in enumerate(results):
+            _, _, rs_sends, _, ag_sends = res["labelled"][i]
+            for phase, sends in (("reduce-scatter", rs_sends), ("all-gather", ag_sends)):
+                sizes = [data.numel() for _, data in sends]
+                if not sizes:  # calls imported before the check started are not seen: no verdict
+                    continue
+                if len(sizes) != p - 1 or max(sizes) > longest:
+                    return (
+                        f"{phase} of {n} elements on {p} ranks: rank {rank} sent {len(sizes)} "
+                        f"messages of {sizes} elements; a ring sends world_size - 1 = {p - 1} "
+                        f"messages per phase, each one chunk ({chunk_sizes(n, p)} elements). "
+                        "The sum is right, but this is not a ring: every rank sending whole "
+                        "tensors moves p/2 times more bytes"
+                    )
     return None
 
 
@@ -184,24 +283,41 @@ def check_ring(
     all_reduce: Callable[..., Any] | None = None,
     world_size: int = 3,
 ) -> None:
-    """Run the learner's ring collectives on ``world_size`` ranks; raise CheckFailed with a diagnosis."""
+    """Run the learner's ring collectives on ``world_size`` ranks; CheckFailed says what's wrong."""
     p = world_size
     try:
-        results = launch_check(_on_rank, reduce_scatter, all_gather, all_reduce, world_size=p, quiet=True, timeout=60)
+        results = launch_check(
+            _on_rank,
+            reduce_scatter,
+            all_gather,
+            all_reduce,
+            world_size=p,
+            quiet=True,
+            timeout=60,
+            backend="gloo",
+        )
     except RankFailedError as exc:
         if exc.exc_type == "NotImplementedError":
             raise
+        if exc.exc_type == NativeCollectiveUsed.__name__:
+            raise CheckFailed(f"rank {exc.rank}: {exc.exc_message}") from None
         raise CheckFailed(
             f"rank {exc.rank} failed ({exc.exc_type}: {exc.exc_message.splitlines()[0][:200]}).\n"
-            "  When a rank is killed inside gloo (ProcessDied, SIGABRT) it received a message larger than the "
-            "buffer it posted: a send and its matching receive disagree on the number of elements. Chunk c of n "
-            f"elements is input.tensor_split({p})[c]: for n = 7 the chunks have [3, 2, 2] elements, for n = 2 "
-            "[1, 1, 0]. Receive chunk c into a buffer the size of chunk c, and send the chunk the schedule names."
+            "  When a rank is killed inside gloo (ProcessDied, SIGABRT) it received a message "
+            "larger than the "
+            "buffer it posted: a send and its matching receive disagree on the number of "
+            "elements. Chunk c of n "
+            f"elements is input.tensor_split({p})[c]: for n = 7 the chunks have [3, 2, 2] "
+            "elements, for n = 2 "
+            "[1, 1, 0]. Receive chunk c into a buffer the size of chunk c, and send the chunk the "
+            "schedule names."
         ) from None
     except JobTimeoutError:
         raise CheckFailed(
-            "the ranks waited on each other until the 60 s timeout: a receive that no rank sends to, or two ranks "
-            "that both block in dist.send/recv before the other posts its half. Post each step's receive and send "
+            "the ranks waited on each other until the 60 s timeout: a receive that no rank sends "
+            "to, or two ranks "
+            "that both block in dist.send/recv before the other posts its half. Post each step's "
+            "receive and send "
             "together (batch_isend_irecv, or irecv + isend then wait on both)."
         ) from None
     problem = _explain_labelled(results, p)
@@ -209,6 +325,9 @@ def check_ring(
         raise CheckFailed(problem)
     if len(results[0]["labelled"]) < len(LABEL_SIZES):
         raise CheckFailed("a labelled case failed on some rank but could not be explained")
+    problem = _message_problem(results, p)
+    if problem:
+        raise CheckFailed(problem)
     for case in range(len(results[0]["random"])):
         n, dtype, xs, _, _, _ = results[0]["random"][case]
         exact = torch.stack([x.double() for x in xs]).sum(0)
@@ -219,13 +338,27 @@ def check_ring(
             _, _, _, shard, full, reduced = res["random"][case]
             lo, hi = chunk_offsets(n, p)[rank : rank + 2]
             what = f"{dtype}, {n} elements, rank {rank}"
-            gathered = torch.cat([xs[r][chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]] for r in range(p)])
+            gathered = torch.cat(
+                [xs[r][chunk_offsets(n, p)[r] : chunk_offsets(n, p)[r + 1]] for r in range(p)]
+            )
             for problem in (
-                compare(exact[lo:hi].to(dtype), shard, what=f"reduce_scatter, {what}'s shard (chunk {rank})", **tol),
+                compare(
+                    exact[lo:hi].to(dtype),
+                    shard,
+                    what=f"reduce_scatter, {what}'s shard (chunk {rank})",
+                    **tol,
+                ),
                 compare(gathered, full, what=f"all_gather, {what}'s output", atol=0, rtol=0),
-                compare(exact.to(dtype), reduced, what=f"all_reduce, {what}", **tol) if reduced is not None else None,
+                compare(exact.to(dtype), reduced, what=f"all_reduce, {what}", **tol)
+                if reduced is not None
+                else None,
             ):
                 if problem:
-                    raise CheckFailed(f"{problem}. (Tolerance: {p} x the dtype's epsilon of the exact sum.)")
+                    raise CheckFailed(
+                        f"{problem}. (Tolerance: {p} x the dtype's epsilon of the exact sum.)"
+                    )
     done = "reduce-scatter, all-gather" + (" and all-reduce" if all_reduce is not None else "")
-    passed(f"your ring {done} match on {p} ranks: sizes {sorted(set(LABEL_SIZES + SIZES))}, dtypes float32/bfloat16/float16")
+    passed(
+        f"your ring {done} match on {p} ranks: sizes {sorted(set(LABEL_SIZES + SIZES))}, dtypes "
+        "float32/bfloat16/float16"
+    )

@@ -4,10 +4,15 @@ Read in this order (lesson ``notebooks/02_collectives.ipynb``):
 
 * ``naive.py``      reduce to a root, broadcast back: ``2(p-1) D`` bytes through one link.
 * ``ring.py``       ring reduce-scatter + ring all-gather = ring all-reduce: ``2(p-1)/p D`` bytes.
-* ``tree.py``       recursive doubling and a binomial broadcast: ``log2 p`` steps for small messages.
+                    The algorithm, written to be read.
+* ``tree.py``       recursive doubling and a binomial broadcast: ``log2 p`` steps, small messages.
+* ``ring_tuned.py`` the same ring made fast: pieces, pipelining, reused buffers.
+* ``auto.py``       labkit's all-reduce: recursive doubling up to a measured size, then the ring.
 * ``cost_model.py`` the alpha-beta formulas of all of the above, and a fit of alpha and beta.
-* ``bench.py``      algbw/busbw as nccl-tests define them, ours against ``torch.distributed``.
-* ``common.py``     ops, chunking, peers and reusable buffers the algorithms share.
+* ``common.py``     ops, chunking, batched messages, reusable buffers and the one validation.
+* ``nccl_order.py`` records every point-to-point call and proves the order cannot deadlock NCCL.
+* ``labkit/measure/collectives.py``: algbw/busbw as nccl-tests define them, ours vs torch's;
+  ``labkit/viz/collectives.py``: the lesson's pictures.
 * ``comm.py``       ``Comm(group, impl="torch" | "ring")``: the one switch every technique uses,
                     with the bytes each call sends counted.
 
@@ -15,18 +20,16 @@ Every collective takes ``group=`` (None = WORLD) and checks, by default, that al
 passed the same size, op and dtype, so a mismatch is a clear error on every rank, not a hang.
 """
 
+from labkit.collectives.auto import AllReduceChoice
 from labkit.collectives.comm import Comm
 from labkit.collectives.common import BufferPool, chunk_sizes
 from labkit.collectives.naive import naive_all_reduce
 from labkit.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from labkit.collectives.ring_tuned import tuned_all_gather, tuned_all_reduce, tuned_reduce_scatter
 from labkit.collectives.tree import broadcast, recursive_doubling_all_reduce
 
-# The names later lessons use (ZeRO shards with these two).
-all_reduce = ring_all_reduce
-reduce_scatter = ring_reduce_scatter
-all_gather = ring_all_gather
-
 __all__ = [
+    "AllReduceChoice",
     "BufferPool",
     "Comm",
     "chunk_sizes",
@@ -34,9 +37,9 @@ __all__ = [
     "ring_all_reduce",
     "ring_reduce_scatter",
     "ring_all_gather",
+    "tuned_all_reduce",
+    "tuned_reduce_scatter",
+    "tuned_all_gather",
     "recursive_doubling_all_reduce",
     "broadcast",
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
 ]

@@ -5,7 +5,9 @@ technique from PyTorch's collectives to labkit's ring is one argument, ``impl="r
 
 ``Comm(group, impl="torch")`` uses torch.distributed (``reduce_scatter_single`` /
 ``all_gather_single``, the 2.13 names of ``reduce_scatter_tensor`` / ``all_gather_into_tensor``);
-``impl="ring"`` uses labkit's own ring (:mod:`labkit.collectives.ring`).
+``impl="ring"`` uses labkit's own collectives where speed matters: the tuned ring
+(:mod:`labkit.collectives.ring_tuned`) and, for all-reduce, :mod:`labkit.collectives.auto`
+(recursive doubling below a measured size).
 
 Byte accounting. ``sent[op]`` is what a bandwidth-optimal (ring) algorithm sends from this
 rank for the calls made: a reduce-scatter or all-gather of ``M`` bytes sends
@@ -69,21 +71,23 @@ class Comm:
         if self.world_size == 1:
             out_shard.copy_(in_full)
         elif self.impl == "ring":
-            from labkit.collectives.ring import ring_reduce_scatter
+            from labkit.collectives.ring_tuned import tuned_reduce_scatter
 
-            ring_reduce_scatter(out_shard, in_full, group=self.group, check=False)
+            tuned_reduce_scatter(out_shard, in_full, group=self.group, check=False)
         else:
             _reduce_scatter(out_shard, in_full, group=self.group)
 
-    def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, async_op: bool = False) -> Any:
+    def all_gather(
+        self, out_full: torch.Tensor, in_shard: torch.Tensor, async_op: bool = False
+    ) -> Any:
         """``out_full`` <- every rank's ``in_shard`` end to end. Returns a handle to ``wait()``."""
         self._count("all_gather", out_full.numel() * out_full.element_size())
         if self.world_size == 1:
             out_full.copy_(in_shard)
         elif self.impl == "ring":  # labkit's ring is blocking: async degrades to sync
-            from labkit.collectives.ring import ring_all_gather
+            from labkit.collectives.ring_tuned import tuned_all_gather
 
-            ring_all_gather(out_full, in_shard, group=self.group, check=False)
+            tuned_all_gather(out_full, in_shard, group=self.group, check=False)
         else:
             work = _all_gather(out_full, in_shard, group=self.group, async_op=async_op)
             if async_op:
@@ -96,9 +100,9 @@ class Comm:
         if self.world_size == 1:
             return _Done()
         if self.impl == "ring":  # labkit's ring is blocking: async degrades to sync
-            from labkit.collectives.ring import ring_all_reduce
+            from labkit.collectives.auto import all_reduce
 
-            ring_all_reduce(tensor, group=self.group, check=False)
+            all_reduce(tensor, group=self.group, check=False)
         else:
             work = dist.all_reduce(tensor, group=self.group, async_op=async_op)
             if async_op:

@@ -12,16 +12,29 @@ Kept apart so that ``naive.py``, ``ring.py`` and ``tree.py`` each read as one al
   never sent, and both ends of a link know that because every rank agrees on ``n``.
 * **Peers.** Inside a subgroup, ``dist.isend``/``irecv`` address the *global* rank, so every
   algorithm computes its neighbours through :func:`global_rank`.
+* **Messages.** :func:`post` puts one step's sends and receives in ONE
+  ``dist.batch_isend_irecv``, the order that cannot deadlock under NCCL (see its docstring);
+  ``tests/test_collectives.py`` records every point-to-point call to prove it.
 * **Buffers.** :class:`BufferPool` hands out scratch tensors that are allocated once and grown
   geometrically. On a CPU, a fresh 128 MB tensor costs ~57 ms of page faults on first touch,
   more than gloo needs to move it, so per-call allocation would dominate the timing.
+* **Validation.** :func:`validate` is the one argument check every collective calls first.
+  Every rank sends a row of integers (its sizes, op, dtype, and whether its own arguments are
+  valid) to every other rank, so a mismatch is the same clear ``ValueError`` on every rank,
+  never a hang or a silently wrong sum. It is paid once per (collective, sizes, op, dtype,
+  group): a combination that passed is remembered in the pool (``pool.validated``), and later
+  calls with it exchange nothing. The price of the cache: after a combination passed, a rank
+  that repeats it trusts its peers to repeat it too (``pool.clear()`` forgets, ``check=False``
+  never checks).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp
 
 from labkit.parallel.layout import global_rank, group_rank_and_size
 
@@ -34,12 +47,14 @@ __all__ = [
     "chunk_sizes",
     "chunk_offsets",
     "combine_",
+    "exchange",
     "global_rank",
     "group_rank_and_size",
-    "isend",
-    "irecv",
     "local_problem",
+    "op_dtype_fields",
     "op_name",
+    "post",
+    "validate",
 ]
 
 SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN)
@@ -88,20 +103,52 @@ def combine_(acc: torch.Tensor, x: torch.Tensor, op: object) -> torch.Tensor:
     raise ValueError(f"unsupported reduce op {op_name(op)}")
 
 
+class _Joined:
+    """One handle for several: NCCL coalesces a batch into a single Work for all its ops."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
 
 
-def isend(tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
-    """``dist.isend`` to global rank ``peer``; returns the handle to ``wait()`` on."""
-    work = dist.isend(tensor, peer, tag=tag)
-    assert work is not None  # None only for ranks outside the group, which never get here
-    return work
+def post(
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    group: ProcessGroup | None,
+) -> tuple[list[Any], list[Any]]:
+    """Post one step's sends and receives (``(tensor, global peer)``) as ONE batch.
+
+    Why a batch: NCCL runs ungrouped point-to-point calls between two ranks on one stream in
+    issue order, so a rank that posts ``irecv`` then ``isend`` against a peer doing the same
+    waits forever (gloo hides it). Inside ``dist.batch_isend_irecv`` the order of sends and
+    receives does not matter. Empty tensors are skipped: both ends know the sizes, so both
+    skip the same messages. Returns the receive handles and the send handles, in order (with
+    NCCL, whose batch yields one handle, every entry waits for the whole batch).
+    """
+    # receives first: under gloo a send waits for the peer's "receive posted" notice, so
+    # announcing ours early lets the peer's data start flowing sooner (NCCL does not care)
+    ops = [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t.numel()]
+    ops += [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t.numel()]
+    works: list[Any] = dist.batch_isend_irecv(ops) if ops else []
+    if len(works) != len(ops):
+        works = [_Joined(works)] * len(ops)
+    handles = iter(works)
+    recv_works = [next(handles) if t.numel() else _Joined([]) for t, _ in recvs]
+    send_works = [next(handles) if t.numel() else _Joined([]) for t, _ in sends]
+    return recv_works, send_works
 
 
-def irecv(tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
-    """``dist.irecv`` from global rank ``peer``; returns the handle to ``wait()`` on."""
-    work = dist.irecv(tensor, peer, tag=tag)
-    assert work is not None
-    return work
+def exchange(
+    send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group: ProcessGroup | None
+) -> None:
+    """Send ``send`` to global rank ``to`` while receiving ``recv`` from ``source``; wait."""
+    recv_works, send_works = post([(send, to)], [(recv, source)], group)
+    for work in recv_works + send_works:
+        work.wait()
 
 
 def local_problem(
@@ -129,8 +176,56 @@ def local_problem(
         return f"{what}: unsupported reduce op {op_name(op)} (supported: SUM, AVG, MAX, MIN)"
     for name, numel in (expected_numel or {}).items():
         if tensors[name].numel() != numel:
-            return f"{what}: {name} must have {numel} elements on this rank, got {tensors[name].numel()}"
+            got = tensors[name].numel()
+            return f"{what}: {name} must have {numel} elements on this rank, got {got}"
     return None
+
+
+def op_dtype_fields(op: object, dtype: torch.dtype) -> dict[str, int]:
+    """The op and dtype as integers for :func:`validate` (-1: unsupported or not applicable)."""
+    op_code = SUPPORTED_OPS.index(op) if op in SUPPORTED_OPS else -1  # type: ignore[arg-type]
+    dtype_code = SUPPORTED_DTYPES.index(dtype) if dtype in SUPPORTED_DTYPES else -1
+    return {
+        "reduce op (index in SUM, AVG, MAX, MIN)": op_code,
+        "dtype (index in float32, float64, bfloat16, float16)": dtype_code,
+    }
+
+
+def _agree(
+    what: str, row: list[int], names: list[str], group: ProcessGroup | None, device: torch.device
+) -> None:
+    """Every rank sends ``row`` (``[has a problem, *fields]``) to every other rank, in one batch.
+
+    One step of latency for any ``p`` (all messages in flight at once), ``p - 1`` tiny messages
+    per rank. Raises the same ValueError on every rank when a row has a problem or a field differs.
+    The table lives on the collective's device (NCCL sends only GPU tensors).
+    """
+    rank, p = group_rank_and_size(group)
+    table = torch.zeros(p, len(row), dtype=torch.int64, device=device)  # row r: rank r's
+    table[rank] = torch.tensor(row, dtype=torch.int64)
+    others = [r for r in range(p) if r != rank]
+    mine = table[rank]
+    recv_works, send_works = post(
+        [(mine, global_rank(group, r)) for r in others],
+        [(table[r], global_rank(group, r)) for r in others],
+        group,
+    )
+    for work in recv_works + send_works:
+        work.wait()
+    rows = table.cpu().tolist()
+    failed = [r for r in range(p) if rows[r][0]]
+    if failed:
+        raise ValueError(
+            f"{what}: rank {failed[0]} rejected its arguments (see the error on that rank)"
+        )
+    for j, name in enumerate(names, start=1):
+        values = [row[j] for row in rows]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(
+                f"{what}: ranks disagree on {name} ({per_rank}); every rank of the group "
+                "must call the collective with the same arguments"
+            )
 
 
 class BufferPool:
@@ -145,6 +240,9 @@ class BufferPool:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self.allocations = 0
+        self.validated: set[tuple[Any, ...]] = (
+            set()
+        )  # argument combinations :func:`validate` passed
 
     def get(self, slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (slot, dtype, torch.device(device))
@@ -157,10 +255,54 @@ class BufferPool:
         return buf[:numel]
 
     def clear(self) -> None:
-        """Release every scratch buffer (the next call allocates again)."""
+        """Free every scratch buffer and forget validated arguments: the next call redoes both."""
         self._buffers.clear()
+        self.validated.clear()
 
 
 # One pool per process: scratch memory, like the buffers NCCL keeps per communicator. Every
 # collective takes ``pool=`` to use another one (e.g. to free memory with ``pool.clear()``).
 DEFAULT_POOL = BufferPool()
+
+
+def validate(
+    what: str,
+    group: ProcessGroup | None,
+    tensors: dict[str, torch.Tensor],
+    fields: dict[str, int],
+    *,
+    op: object | None = None,
+    expected_numel: dict[str, int] | None = None,
+    problem: str | None = None,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+) -> None:
+    """The argument check every collective runs first; raises the same ValueError on every rank.
+
+    ``tensors`` are checked locally (:func:`local_problem`, plus ``problem`` if the caller found
+    one); ``fields`` (sizes, root, ...) plus op and dtype must be equal on every rank of
+    ``group``. With ``check=True`` the ranks compare, once per combination (see the module
+    docstring); with ``check=False`` only this rank's own problem is raised.
+    """
+    problem = problem or local_problem(what, tensors, op, expected_numel)
+    dtype = next(iter(tensors.values())).dtype if problem is None else torch.float32
+    fields = {**fields, **op_dtype_fields(op, dtype)}
+    if not check:
+        if problem is not None:
+            raise ValueError(problem)
+        return
+    if group is None:
+        group = dist.group.WORLD
+    key = (what, group.group_name, id(group), *fields.values())  # type: ignore[union-attr]
+    if problem is None and key in pool.validated:
+        return
+    try:
+        row = [int(problem is not None), *fields.values()]
+        devices = [t.device for t in tensors.values() if isinstance(t, torch.Tensor)]
+        _agree(what, row, list(fields), group, devices[0] if devices else torch.device("cpu"))
+    except ValueError:
+        if problem is None:
+            raise
+    if problem is not None:  # this rank's own reason, rather than "rank r rejected"
+        raise ValueError(problem)
+    pool.validated.add(key)

@@ -121,7 +121,12 @@ def busbw_factor(op: str, p: int) -> float:
     all_reduce: ``2(p-1)/p``; reduce_scatter and all_gather: ``(p-1)/p``; broadcast: 1. With it,
     busbw is comparable to the link's bandwidth whatever ``p``, so algorithms can be compared.
     """
-    factors = {"all_reduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p, "all_gather": (p - 1) / p, "broadcast": 1.0}
+    factors = {
+        "all_reduce": 2 * (p - 1) / p,
+        "reduce_scatter": (p - 1) / p,
+        "all_gather": (p - 1) / p,
+        "broadcast": 1.0,
+    }
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; known: {sorted(factors)}")
     return factors[op]
@@ -134,7 +139,7 @@ def fit_alpha_beta(
     steps: float = 1.0,
     bytes_factor: float = 1.0,
 ) -> AlphaBeta:
-    """Least-squares ``alpha, beta`` from ``times[i] ~ steps * alpha + bytes_factor * sizes[i] * beta``.
+    """Least-squares ``alpha, beta``: ``times[i] ~ steps * alpha + bytes_factor * sizes[i] * beta``.
 
     For one point-to-point message keep the defaults; for a ring all-reduce on ``p`` ranks pass
     ``steps=2(p-1), bytes_factor=2(p-1)/p`` so the fit recovers the *link's* parameters, which
@@ -145,7 +150,9 @@ def fit_alpha_beta(
     x = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times, dtype=np.float64)
     if x.shape != t.shape or x.ndim != 1 or len(x) < 2:
-        raise ValueError(f"need two equal-length 1-D sequences with >= 2 points, got {x.shape} and {t.shape}")
+        raise ValueError(
+            f"need two equal-length 1-D sequences with >= 2 points, got {x.shape} and {t.shape}"
+        )
     if np.any(t <= 0):
         raise ValueError("times must be positive")
     a = np.stack([np.full_like(x, steps), bytes_factor * x], axis=1) / t[:, None]

@@ -27,10 +27,8 @@ from labkit.collectives.common import (
     combine_,
     global_rank,
     group_rank_and_size,
-    isend,
-    local_problem,
+    validate,
 )
-from labkit.collectives.tree import agree, op_dtype_fields
 
 __all__ = ["naive_all_reduce"]
 
@@ -49,13 +47,11 @@ def naive_all_reduce(
     Same contract as :func:`labkit.collectives.ring.ring_all_reduce` (any shape, SUM/AVG/MAX/MIN,
     16-bit floats reduced in float32). ``root`` is a rank inside ``group``.
     """
-    what = "naive_all_reduce"
     rank, p = group_rank_and_size(group)
-    problem = local_problem(what, {"tensor": tensor}, op)
-    if problem is None and not 0 <= root < p:
-        problem = f"{what}: root must be a rank of the group (0..{p - 1}), got {root}"
-    fields = {"numel": tensor.numel(), "root": root, **op_dtype_fields(op, tensor.dtype)}
-    agree(what, fields, problem, group, tensor.device, pool, check=check)
+    bad_root = f"naive_all_reduce: root must be a rank of the group (0..{p - 1}), got {root}"
+    validate("naive_all_reduce", group, {"tensor": tensor},
+             {"numel": tensor.numel(), "root": root}, op=op,
+             problem=None if 0 <= root < p else bad_root, check=check, pool=pool)
     if p == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)
@@ -64,7 +60,11 @@ def naive_all_reduce(
         dist.recv(flat, global_rank(group, root))  # 2) ...and the result comes back
         return tensor
     acc = accum_dtype(flat.dtype)
-    total = flat if acc == flat.dtype else pool.get("naive.acc", flat.numel(), acc, flat.device).copy_(flat)
+    total = (
+        flat
+        if acc == flat.dtype
+        else pool.get("naive.acc", flat.numel(), acc, flat.device).copy_(flat)
+    )
     incoming = pool.get("naive.recv", flat.numel(), flat.dtype, flat.device)
     for other in range(p):  # 1) reduce: (p-1) full tensors through the root's link
         if other != root:
@@ -74,7 +74,9 @@ def naive_all_reduce(
         total.div_(p)
     if total is not flat:
         flat.copy_(total)
-    works = [isend(flat, global_rank(group, o)) for o in range(p) if o != root]
-    for w in works:  # 2) broadcast: (p-1) full tensors again
-        w.wait()
+    # 2) broadcast: (p-1) full tensors again. Ungrouped, but NCCL-safe: towards each peer the
+    # root posts recv then send, the peer send then recv, so the per-pair orders match.
+    works = [dist.isend(flat, global_rank(group, o)) for o in range(p) if o != root]
+    for w in works:
+        w.wait()  # type: ignore[union-attr]
     return tensor

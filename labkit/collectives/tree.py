@@ -22,9 +22,8 @@ combine the same two operands (``a + b == b + a`` in IEEE arithmetic, and so doe
 :func:`broadcast` is the binomial tree: in round k, the ``2**k`` ranks that already hold the
 data each send it to one more rank, so ``ceil(log2 p)`` rounds of ``alpha + D * beta``.
 
-:func:`agree` is the argument check the other collectives run first: a recursive-doubling
-all-gather of a few integers per rank (sizes, op, dtype), so a size mismatch across ranks
-gives the same clear error on every rank instead of a hang or a garbled result.
+Every swap is one ``dist.batch_isend_irecv`` (``common.exchange``), safe under NCCL; the
+fold-in and hand-back of the extra ranks are blocking sends and receives in matching order.
 """
 
 from __future__ import annotations
@@ -35,29 +34,21 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from labkit.collectives.common import (
     DEFAULT_POOL,
-    SUPPORTED_DTYPES,
-    SUPPORTED_OPS,
     BufferPool,
     accum_dtype,
     combine_,
+    exchange,
     global_rank,
     group_rank_and_size,
-    irecv,
-    isend,
-    local_problem,
+    validate,
 )
 
-__all__ = ["recursive_doubling_all_reduce", "broadcast", "agree", "op_dtype_fields"]
+__all__ = ["recursive_doubling_all_reduce", "broadcast"]
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
-    """Send ``send`` to and receive ``recv`` from the same global rank, both in flight at once."""
-    works = [irecv(recv, peer), isend(send, peer)]
-    for w in works:
-        w.wait()
-
-
-def _recursive_doubling_(work: torch.Tensor, op: object, group: ProcessGroup | None, pool: BufferPool) -> None:
+def _recursive_doubling_(
+    work: torch.Tensor, op: object, group: ProcessGroup | None, pool: BufferPool
+) -> None:
     """Reduce the flat, contiguous ``work`` across ``group`` in place (no AVG division here)."""
     rank, p = group_rank_and_size(group)
     if p == 1 or work.numel() == 0:
@@ -74,62 +65,12 @@ def _recursive_doubling_(work: torch.Tensor, op: object, group: ProcessGroup | N
         combine_(work, recv, op)
     mask = 1
     while mask < p2:
-        _exchange(work, recv, global_rank(group, rank ^ mask))
+        partner = global_rank(group, rank ^ mask)
+        exchange(work, partner, recv, partner, group)
         combine_(work, recv, op)
         mask <<= 1
     if rank < p - p2:
         dist.send(work, global_rank(group, rank + p2))
-
-
-def agree(
-    what: str,
-    fields: dict[str, int],
-    problem: str | None,
-    group: ProcessGroup | None,
-    device: torch.device,
-    pool: BufferPool = DEFAULT_POOL,
-    check: bool = True,
-) -> None:
-    """Raise the same ValueError on every rank unless all ranks have no ``problem`` and equal ``fields``.
-
-    With ``check=False`` nothing is exchanged: only this rank's own ``problem`` is raised.
-
-    Each rank fills its own row of a ``p x (1 + len(fields))`` int64 table (zeros elsewhere);
-    a recursive-doubling SUM gives every rank the whole table in ``log2 p`` steps. Cost: about
-    ``log2(p) * alpha``, negligible next to a large collective, and the price of never hanging.
-    Every rank must call ``agree``, which holds because every rank calls the collective.
-    """
-    if not check:
-        if problem is not None:
-            raise ValueError(problem)
-        return
-    rank, p = group_rank_and_size(group)
-    names = list(fields)
-    table = torch.zeros(p, 1 + len(names), dtype=torch.int64, device=device)
-    table[rank, 0] = 1 if problem is not None else 0
-    table[rank, 1:] = torch.tensor([fields[k] for k in names], dtype=torch.int64)
-    _recursive_doubling_(table.view(-1), ReduceOp.SUM, group, pool)
-    rows = table.cpu().tolist()
-    if problem is not None:
-        raise ValueError(problem)
-    failed = [r for r in range(p) if rows[r][0]]
-    if failed:
-        raise ValueError(f"{what}: rank {failed[0]} rejected its arguments (see the error on that rank)")
-    for j, name in enumerate(names, start=1):
-        values = [row[j] for row in rows]
-        if len(set(values)) > 1:
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(
-                f"{what}: ranks disagree on {name} ({per_rank}); every rank of the group "
-                "must call the collective with the same arguments"
-            )
-
-
-def op_dtype_fields(op: object, dtype: torch.dtype) -> dict[str, int]:
-    """The op and dtype as integers for :func:`agree` (-1: unsupported or not applicable)."""
-    op_code = SUPPORTED_OPS.index(op) if op in SUPPORTED_OPS else -1  # type: ignore[arg-type]
-    dtype_code = SUPPORTED_DTYPES.index(dtype) if dtype in SUPPORTED_DTYPES else -1
-    return {"reduce op (index in SUM, AVG, MAX, MIN)": op_code, "dtype (index in float32, float64, bfloat16, float16)": dtype_code}
 
 
 def recursive_doubling_all_reduce(
@@ -144,15 +85,16 @@ def recursive_doubling_all_reduce(
 
     Same contract as :func:`labkit.collectives.ring.ring_all_reduce`: contiguous float tensor
     of any shape (0-d and empty included), SUM/AVG/MAX/MIN, 16-bit floats reduced in float32
-    and rounded once. ``check=True`` first runs :func:`agree` on numel, op and dtype.
+    and rounded once. ``check=True``: :func:`~labkit.collectives.common.validate` first.
     """
-    what = "recursive_doubling_all_reduce"
-    problem = local_problem(what, {"tensor": tensor}, op)
-    agree(what, {"numel": tensor.numel(), **op_dtype_fields(op, tensor.dtype)}, problem, group, tensor.device, pool, check=check)
+    validate("recursive_doubling_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()},
+             op=op, check=check, pool=pool)
     _, p = group_rank_and_size(group)
     flat = tensor.view(-1)
     acc = accum_dtype(tensor.dtype)
-    work = flat if acc == tensor.dtype else pool.get("rd.work", flat.numel(), acc, flat.device).copy_(flat)
+    work = flat
+    if acc != tensor.dtype:  # 16-bit floats: reduce in float32, round once at the end
+        work = pool.get("rd.work", flat.numel(), acc, flat.device).copy_(flat)
     _recursive_doubling_(work, op, group, pool)
     if op == ReduceOp.AVG:
         work.div_(p)
@@ -174,13 +116,14 @@ def broadcast(
     ``src`` is a rank *inside* ``group``. Rounds: ``ceil(log2 p)``; in round k, the ranks at
     distance ``< 2**k`` from ``src`` (counting around the group) send to distance ``+ 2**k``.
     """
-    what = "broadcast"
     rank, p = group_rank_and_size(group)
-    problem = local_problem(what, {"tensor": tensor})
-    if problem is None and not 0 <= src < p:
-        problem = f"{what}: src must be a rank of the group (0..{p - 1}), got {src}"
-    fields = {"numel": tensor.numel(), "src": src, **op_dtype_fields(None, tensor.dtype)}
-    agree(what, fields, problem, group, tensor.device, pool, check=check)
+    problem = (
+        None
+        if 0 <= src < p
+        else f"broadcast: src must be a rank of the group (0..{p - 1}), got {src}"
+    )
+    validate("broadcast", group, {"tensor": tensor}, {"numel": tensor.numel(), "src": src},
+             problem=problem, check=check, pool=pool)
     if tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)

@@ -1,0 +1,158 @@
+"""The ring of ``ring.py``, made fast: same schedule, same results, fewer waits and copies.
+
+Read ``ring.py`` first: this file changes how the messages move, never which chunk goes where.
+``tests/test_collectives.py`` checks both against ``torch.distributed`` and against each other.
+
+* **Pieces.** In the reduce-scatter each chunk travels as a few messages (at most
+  ``MAX_PIECES``, at least ``block`` bytes each), so a piece is added while the next one is
+  still on the wire. All of a step's receives are posted before its sends: under gloo a send
+  waits for the peer's "receive posted" notice, which must not queue behind megabytes of data.
+* **What is not here, and why.** Pipelining across steps or phases (forwarding a piece of the
+  all-gather the moment it lands) would need each piece in its own batch, because NCCL only
+  matches a batch against the peer's matching batch; under gloo, per-piece batches put each
+  "receive posted" notice behind the previous piece's data and measured slower. So the
+  all-gather is the readable one: each chunk moves once, straight into the output.
+* **No allocation per call.** Partials live in two chunk-sized buffers of a
+  :class:`~labkit.collectives.common.BufferPool`, used alternately (receive into one while the
+  other is sent). The last step adds straight into the output when no staging is needed.
+* **fp32 staging.** float16/bfloat16 partials travel and are added in float32 and rounded once,
+  so the reduce-scatter moves twice the bytes of a 16-bit ring but is within 1 ulp of the sum.
+* **NCCL-safe.** Each step is one ``dist.batch_isend_irecv`` batch
+  (:func:`~labkit.collectives.common.post`) whose partner batch, on the neighbour, holds the
+  matching messages in the same order: piece k on the sender is piece k on the receiver,
+  because both cut every chunk at the same offsets (those of chunk 0).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup, ReduceOp
+
+from labkit.collectives.common import (
+    DEFAULT_POOL,
+    BufferPool,
+    accum_dtype,
+    chunk_offsets,
+    chunk_sizes,
+    combine_,
+    global_rank,
+    group_rank_and_size,
+    post,
+    validate,
+)
+from labkit.collectives.ring import ring_all_gather
+
+__all__ = ["tuned_reduce_scatter", "tuned_all_gather", "tuned_all_reduce", "BLOCK_BYTES"]
+
+BLOCK_BYTES = 1 << 20  # smallest piece: large enough to amortise the per-message latency
+MAX_PIECES = 4  # most pieces per chunk: enough to overlap, few thread wake-ups
+
+
+class _Ring:
+    """Chunk layout and neighbours of a ring over ``n`` elements, and the pieces of a chunk."""
+
+    def __init__(self, n: int, itemsize: int, group: ProcessGroup | None, block: int) -> None:
+        self.rank, self.p = group_rank_and_size(group)
+        self.group = group
+        self.size, self.off = chunk_sizes(n, self.p), chunk_offsets(n, self.p)
+        self.right = global_rank(group, (self.rank + 1) % self.p)
+        self.left = global_rank(group, (self.rank - 1) % self.p)
+        # every chunk is cut at chunk 0's offsets (a chunk is never longer than chunk 0), so the
+        # k-th piece of a chunk is the same slice on the rank that sends and the one that receives
+        step = max(1, block // itemsize, -(-self.size[0] // MAX_PIECES))
+        self.cuts = [(a, a + step) for a in range(0, self.size[0], step)]
+
+    def pieces(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t[a:b] for a, b in self.cuts]  # a short chunk's last piece is shorter or empty
+
+    def chunk(self, flat: torch.Tensor, c: int) -> torch.Tensor:
+        return flat[self.off[c] : self.off[c] + self.size[c]]
+
+
+def _reduce_scatter(
+    ring: _Ring,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    op: object,
+    pool: BufferPool,
+) -> None:
+    """Ring reduce-scatter of flat ``inp`` into flat ``out`` (chunk ``rank``); AVG divides here.
+
+    ``out`` may alias ``inp``'s own chunk: that chunk is read only at the last step, each piece
+    before that piece is written.
+    """
+    p, rank, acc = ring.p, ring.rank, accum_dtype(inp.dtype)
+    bufs = [pool.get(f"ring.rs{i}", ring.size[0], acc, inp.device) for i in (0, 1)]
+    send = ring.chunk(inp, (rank - 1) % p)
+    if acc != inp.dtype:  # partials travel in float32: stage our first chunk there too
+        send = bufs[1][: send.numel()].copy_(send)
+    for s in range(p - 1):
+        c = (rank - s - 2) % p  # the chunk whose partial arrives at this step
+        recv, last = bufs[s % 2][: ring.size[c]], s == p - 2
+        direct = last and acc == inp.dtype and op in (ReduceOp.SUM, ReduceOp.AVG)
+        recv_works, send_works = post(
+            [(x, ring.right) for x in ring.pieces(send)],
+            [(x, ring.left) for x in ring.pieces(recv)],
+            ring.group,
+        )
+        pieces = zip(
+            recv_works, ring.pieces(recv), ring.pieces(ring.chunk(inp, c)), ring.pieces(out)
+        )
+        for work, got, own, result in pieces:
+            work.wait()  # reduce this piece while the next ones are still arriving
+            if direct:  # the last partial plus ours goes straight into the output
+                torch.add(got, own, out=result)
+            else:
+                combine_(got, own, op)
+            if last:
+                if op == ReduceOp.AVG:
+                    (result if direct else got).div_(p)
+                if not direct:
+                    result.copy_(got)  # the float32 result, rounded once to the output dtype
+        for work in send_works:
+            work.wait()
+        send = recv
+
+
+def tuned_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
+                         op: object = ReduceOp.SUM, group: ProcessGroup | None = None, *,
+                         check: bool = True, pool: BufferPool = DEFAULT_POOL,
+                         block: int = BLOCK_BYTES) -> torch.Tensor:
+    """Same contract as :func:`labkit.collectives.ring.ring_reduce_scatter`."""
+    ring = _Ring(input_full.numel(), input_full.element_size(), group, block)
+    n = input_full.numel()
+    validate("ring_reduce_scatter", group,
+             {"output_shard": output_shard, "input_full": input_full}, {"numel of input_full": n},
+             op=op, check=check, pool=pool, expected_numel={"output_shard": ring.size[ring.rank]})
+    if ring.p == 1:
+        output_shard.view(-1).copy_(input_full.view(-1))
+    elif n > 0:
+        _reduce_scatter(ring, output_shard.view(-1), input_full.view(-1), op, pool)
+    return output_shard
+
+
+def tuned_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
+                     group: ProcessGroup | None = None, *, check: bool = True,
+                     pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
+    """Same contract as :func:`labkit.collectives.ring.ring_all_gather`, which it runs: the
+    readable all-gather already moves each chunk once, straight into the output, with no
+    arithmetic to overlap (``pool`` and ``block`` are accepted for a uniform signature)."""
+    ring = _Ring(output_full.numel(), output_full.element_size(), group, block)
+    validate("ring_all_gather", group, {"output_full": output_full, "input_shard": input_shard},
+             {"numel of output_full": output_full.numel()}, check=check, pool=pool,
+             expected_numel={"input_shard": ring.size[ring.rank]})
+    return ring_all_gather(output_full, input_shard, group, check=False)
+
+
+def tuned_all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM,
+                     group: ProcessGroup | None = None, *, check: bool = True,
+                     pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
+    """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`."""
+    ring = _Ring(tensor.numel(), tensor.element_size(), group, block)
+    validate("ring_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()}, op=op,
+             check=check, pool=pool)
+    if ring.p == 1 or tensor.numel() == 0:
+        return tensor
+    mine = ring.chunk(tensor.view(-1), ring.rank)
+    _reduce_scatter(ring, mine, tensor.view(-1), op, pool)
+    return ring_all_gather(tensor, mine, group, check=False)
