@@ -33,7 +33,8 @@ def compare(
     """None when ``got`` matches ``expected``; otherwise one sentence naming the first difference.
 
     Shapes and dtypes are checked first (a wrong shape is the most common ring bug: a chunk
-    computed with the wrong length), then values with ``|got - expected| <= atol + rtol*|expected|``.
+    computed with the wrong length), then values with
+    ``|got - expected| <= atol + rtol*|expected|``.
     """
     if not isinstance(got, torch.Tensor):
         return f"{what}: expected a tensor, got {type(got).__name__}"
@@ -49,7 +50,9 @@ def compare(
     if not bool(bad.any()):
         return None
     flat = int(bad.flatten().nonzero()[0])
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape)) if e.dim() else ()
+    index = (
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape)) if e.dim() else ()
+    )
     n_bad = int(bad.sum())
     return (
         f"{what}: {n_bad} of {e.numel()} elements differ; first at index {index}: "
@@ -57,7 +60,9 @@ def compare(
     )
 
 
-def launch_check(fn: Callable[..., Any], *args: Any, world_size: int, timeout: float = 120.0, **options: Any) -> list[Any]:
+def launch_check(
+    fn: Callable[..., Any], *args: Any, world_size: int, timeout: float = 120.0, **options: Any
+) -> list[Any]:
     """``launch`` for checks: a rank's ``NotImplementedError`` is re-raised as one, here.
 
     An exercise stub raises ``NotImplementedError``; the learner should see exactly that,
@@ -67,9 +72,8 @@ def launch_check(fn: Callable[..., Any], *args: Any, world_size: int, timeout: f
         return launch(fn, *args, world_size=world_size, timeout=timeout, **options)
     except RankFailedError as exc:
         if exc.exc_type == "NotImplementedError":
-            raise NotImplementedError(
-                f"rank {exc.rank}: {exc.exc_message or 'this part of the exercise is not written yet'}"
-            ) from None
+            why = exc.exc_message or "this part of the exercise is not written yet"
+            raise NotImplementedError(f"rank {exc.rank}: {why}") from None
         raise
 
 

@@ -117,20 +117,34 @@ def check_zero1(zero1_step: Callable[..., Any]) -> None:
     for step in range(STEPS):
         for i, name in enumerate(names):
             for rank, history in enumerate(per_rank):
-                problem = compare(reference[step][name], history[step][name], what=f"'{name}' on rank {rank}", atol=1e-6, rtol=1e-5)
+                problem = compare(
+                    reference[step][name],
+                    history[step][name],
+                    what=f"'{name}' on rank {rank}",
+                    atol=1e-6,
+                    rtol=1e-5,
+                )
                 if problem is not None:
                     want, got = reference[step][name], history[step][name]
                     element = _first_difference(want, got) if got.shape == want.shape else -1
                     owner, owner_wrong = rank, True
                     if element >= 0:  # whose shard holds it, and is it right there?
-                        owner = next(pc.rank for pc in layout.owners(i) if pc.param_start <= element < pc.param_start + pc.length)
+                        owner = next(
+                            pc.rank
+                            for pc in layout.owners(i)
+                            if pc.param_start <= element < pc.param_start + pc.length
+                        )
                         at_owner = per_rank[owner][step][name].flatten()[element : element + 1]
-                        owner_wrong = compare(want.flatten()[element : element + 1], at_owner, what=name) is not None
+                        owner_wrong = (
+                            compare(want.flatten()[element : element + 1], at_owner, what=name)
+                            is not None
+                        )
                     raise CheckFailed(
                         f"after step {step + 1}, the first diverging parameter is {problem}.\n"
                         f"{_hint(rank, owner, owner_wrong)}"
                     )
     passed(
-        f"ZeRO-1 on {WORLD_SIZE} ranks matches torch.optim.AdamW on the full batch for {STEPS} steps "
-        f"({len(names)} parameters, a flat buffer of {layout.total} + {layout.padded - layout.total} padding)."
+        f"ZeRO-1 on {WORLD_SIZE} ranks matches torch.optim.AdamW on the full batch "
+        f"for {STEPS} steps ({len(names)} parameters, a flat buffer of {layout.total} "
+        f"+ {layout.padded - layout.total} padding)."
     )

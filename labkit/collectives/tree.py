@@ -87,8 +87,15 @@ def recursive_doubling_all_reduce(
     of any shape (0-d and empty included), SUM/AVG/MAX/MIN, 16-bit floats reduced in float32
     and rounded once. ``check=True``: :func:`~labkit.collectives.common.validate` first.
     """
-    validate("recursive_doubling_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()},
-             op=op, check=check, pool=pool)
+    validate(
+        "recursive_doubling_all_reduce",
+        group,
+        {"tensor": tensor},
+        {"numel": tensor.numel()},
+        op=op,
+        check=check,
+        pool=pool,
+    )
     _, p = group_rank_and_size(group)
     flat = tensor.view(-1)
     acc = accum_dtype(tensor.dtype)
@@ -122,8 +129,15 @@ def broadcast(
         if 0 <= src < p
         else f"broadcast: src must be a rank of the group (0..{p - 1}), got {src}"
     )
-    validate("broadcast", group, {"tensor": tensor}, {"numel": tensor.numel(), "src": src},
-             problem=problem, check=check, pool=pool)
+    validate(
+        "broadcast",
+        group,
+        {"tensor": tensor},
+        {"numel": tensor.numel(), "src": src},
+        problem=problem,
+        check=check,
+        pool=pool,
+    )
     if tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)

@@ -84,7 +84,9 @@ def _snapshot(model: nn.Module) -> Snapshot:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_reference(steps: int = 4, accum: int = 1, batch: int = 12, seed: int = 0) -> list[Snapshot]:
+def train_reference(
+    steps: int = 4, accum: int = 1, batch: int = 12, seed: int = 0
+) -> list[Snapshot]:
     """Single-process training on the full micro-batches; parameters after each step."""
     torch.manual_seed(seed)
     model = AwkwardNet()
@@ -157,7 +159,8 @@ def first_divergence(
                 i = int((g - e).abs().flatten().argmax())
                 return (
                     f"after step {step + 1}, parameter {name!r} diverges first: element {i} is "
-                    f"{g.flatten()[i].item():.6g}, single-process training gives {e.flatten()[i].item():.6g}"
+                    f"{g.flatten()[i].item():.6g}, single-process training gives "
+                    f"{e.flatten()[i].item():.6g}"
                 )
     return None
 
@@ -168,7 +171,14 @@ def trainable_numel() -> int:
 
 
 def train_many(
-    wraps: dict[str, Callable[[nn.Module], nn.Module]], steps: int = 4, accum: int = 1, group: Any = None
+    wraps: dict[str, Callable[[nn.Module], nn.Module]],
+    steps: int = 4,
+    accum: int = 1,
+    group: Any = None,
 ) -> dict[str, list[Snapshot]]:
-    """Run on every rank: :func:`train_distributed` for each wrapper; parameters per step, by name."""
-    return {name: train_distributed(wrap, steps, accum, group=group)[0] for name, wrap in wraps.items()}
+    """Run on every rank: :func:`train_distributed` for each wrapper.
+
+    Returns each wrapper's parameters per step, by name."""
+    return {
+        name: train_distributed(wrap, steps, accum, group=group)[0] for name, wrap in wraps.items()
+    }
