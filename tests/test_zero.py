@@ -38,6 +38,7 @@ from labkit.memory.model import (
     transformer_activation_bytes,
     zero_table1,
 )
+from labkit.reference import train_reference
 from labkit.zero import AdamConfig, flat_layout, make_optimizer
 from labkit.zero.ledger import DEFAULT_GPT
 from tests.ranks import run_ranks
@@ -209,12 +210,8 @@ def _reference() -> tuple[nn.Module, torch.optim.AdamW]:
     torch.manual_seed(0)
     model = Toy()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    for step in range(STEPS):
-        opt.zero_grad()
-        for micro in range(ACCUM):
-            x, y = _data(step, micro)
-            (nn.functional.mse_loss(model(x), y) / ACCUM).backward()
-        opt.step()
+    steps = [[_data(step, micro) for micro in range(ACCUM)] for step in range(STEPS)]
+    train_reference(model, opt, steps, lambda m, x, y: nn.functional.mse_loss(m(x), y))
     return model, opt
 
 
@@ -482,12 +479,8 @@ def _ckpt_reference() -> tuple[nn.Module, torch.optim.AdamW]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CKPT_GPT))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(2):
-        opt.zero_grad()
-        for micro in range(ACCUM):
-            idx, tgt = _gpt_data(step, micro)
-            (gpt_loss(model, idx, tgt) / ACCUM).backward()
-        opt.step()
+    steps = [[_gpt_data(step, micro) for micro in range(ACCUM)] for step in range(2)]
+    train_reference(model, opt, steps, gpt_loss)
     return model, opt
 
 
