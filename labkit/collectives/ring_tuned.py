@@ -157,8 +157,13 @@ def tuned_all_gather(
 ) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_all_gather`, which it runs: the
     readable all-gather already moves each chunk once, straight into the output, with no
-    arithmetic to overlap (``pool`` and ``block`` are accepted for a uniform signature)."""
-    return ring_all_gather(output_full, input_shard, group, check=check)
+    arithmetic to overlap (``block`` is accepted for a uniform signature; ``pool`` keeps the
+    record of validated calls, as for the other two)."""
+    tensors = {"output_full": output_full, "input_shard": input_shard}
+    validate_sharded(
+        "ring_all_gather", group, tensors, "output_full", "input_shard", check=check, pool=pool
+    )
+    return ring_all_gather(output_full, input_shard, group, check=False)
 
 
 def tuned_all_reduce(
