@@ -32,7 +32,9 @@ def _job(bucket_mb: float, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (interleaved)")
+    parser.add_argument(
+        "--steps", type=int, default=30, help="timed steps per variant (interleaved)"
+    )
     parser.add_argument("--bucket-mb", type=float, default=4.0, help="bucket cap, ours and torch's")
     args = parser.parse_args()
     times = launch(_job, args.bucket_mb, args.steps, world_size=2, quiet=True, timeout=600)[0]

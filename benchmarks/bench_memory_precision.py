@@ -61,13 +61,19 @@ def bench_activation(steps: int) -> None:
     models["none"] = base
     fns = {k: (lambda m=m: gpt_loss(m, idx, tgt).backward()) for k, m in models.items()}
     t = _median_times(fns, steps)
-    mem = {k: step_activation_bytes(m, idx, tgt, loss_fn=gpt_loss)["activations"] for k, m in models.items()}
+    mem = {
+        k: step_activation_bytes(m, idx, tgt, loss_fn=gpt_loss)["activations"]
+        for k, m in models.items()
+    }
     print("\n== activation checkpointing, full policy (fp32, CPU) ==")
     for k in ("none", "labkit", "torch"):
         print(f"  {k:7s} {t[k] * 1e3:8.1f} ms/step   peak activations {mem[k] / 1e6:7.2f} MB")
-    print(f"  ours/torch: time {t['labkit'] / t['torch']:.2f}x (target <= 1.10), "
-          f"memory {mem['labkit'] / mem['torch']:.2f}x (target <= 1.10); "
-          f"recompute cost vs none: {t['labkit'] / t['none']:.2f}x time for {mem['none'] / mem['labkit']:.1f}x less memory")
+    print(
+        f"  ours/torch: time {t['labkit'] / t['torch']:.2f}x (target <= 1.10), "
+        f"memory {mem['labkit'] / mem['torch']:.2f}x (target <= 1.10); "
+        f"recompute cost vs none: {t['labkit'] / t['none']:.2f}x time "
+        f"for {mem['none'] / mem['labkit']:.1f}x less memory"
+    )
 
 
 def bench_scaler(steps: int) -> None:
@@ -86,8 +92,10 @@ def bench_scaler(steps: int) -> None:
         runs[name] = step
     t = _median_times(runs, steps)
     print("\n== loss-scaled training step (fp32 model, CPU) ==")
-    print(f"  labkit {t['labkit'] * 1e3:.1f} ms, GradScaler {t['torch'] * 1e3:.1f} ms: "
-          f"ours/torch {t['labkit'] / t['torch']:.2f}x (target <= 1.10)")
+    print(
+        f"  labkit {t['labkit'] * 1e3:.1f} ms, GradScaler {t['torch'] * 1e3:.1f} ms: "
+        f"ours/torch {t['labkit'] / t['torch']:.2f}x (target <= 1.10)"
+    )
 
 
 def bench_mixed(steps: int) -> None:
@@ -117,9 +125,14 @@ def bench_mixed(steps: int) -> None:
 
     t = _median_times({"fp32": plain, "autocast": autocast, "labkit": ours}, steps)
     print("\n== mixed precision step, AdamW (CPU) ==")
-    print(f"  fp32 {t['fp32'] * 1e3:.1f} ms | torch.autocast bf16 {t['autocast'] * 1e3:.1f} ms | "
-          f"labkit bf16 weights + fp32 master {t['labkit'] * 1e3:.1f} ms")
-    print(f"  ours/autocast {t['labkit'] / t['autocast']:.2f}x, ours/fp32 {t['labkit'] / t['fp32']:.2f}x")
+    print(
+        f"  fp32 {t['fp32'] * 1e3:.1f} ms | torch.autocast bf16 {t['autocast'] * 1e3:.1f} ms | "
+        f"labkit bf16 weights + fp32 master {t['labkit'] * 1e3:.1f} ms"
+    )
+    print(
+        f"  ours/autocast {t['labkit'] / t['autocast']:.2f}x, "
+        f"ours/fp32 {t['labkit'] / t['fp32']:.2f}x"
+    )
 
 
 def _save_job(steps: int) -> dict[str, float]:
@@ -153,12 +166,17 @@ def bench_save(steps: int) -> None:
     res = launch(_save_job, steps, world_size=2, quiet=True, timeout=300)
     t = {k: max(r[k] for r in res) for k in ("labkit", "dcp")}
     print("\n== sharded save, GPT model + AdamW state (fp32, 2 ranks, gloo, CPU) ==")
-    print(f"  labkit save_checkpoint (model + optimizer, fsync + sha256) {t['labkit'] * 1e3:.1f} ms | "
-          f"torch.distributed.checkpoint.save (same state) {t['dcp'] * 1e3:.1f} ms")
+    print(
+        "  labkit save_checkpoint (model + optimizer, fsync + sha256) "
+        f"{t['labkit'] * 1e3:.1f} ms | "
+        f"torch.distributed.checkpoint.save (same state) {t['dcp'] * 1e3:.1f} ms"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-save", action="store_true")
     args = parser.parse_args()

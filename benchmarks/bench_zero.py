@@ -41,8 +41,10 @@ def main() -> None:
         return run_side_by_side(gpt=gpt, batch=args.batch, steps=args.steps, warmup=args.warmup)
 
     per_rank = launch(job, world_size=2, timeout=900, quiet=True)
-    print(f"GPT {args.layers} x {args.embd} ({gpt.num_params() / 1e6:.2f}M params), "
-          f"batch {args.batch} x 128 per rank, 2 ranks, {args.steps} interleaved steps")
+    print(
+        f"GPT {args.layers} x {args.embd} ({gpt.num_params() / 1e6:.2f}M params), "
+        f"batch {args.batch} x 128 per rank, 2 ranks, {args.steps} interleaved steps"
+    )
     head = ("contender", "ms/step median", "min", "max", "peak MiB r0", "peak MiB r1")
     print(f"{head[0]:>30} | " + " | ".join(f"{h:>14}" for h in head[1:]))
     for name, r in per_rank[0].items():

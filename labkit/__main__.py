@@ -35,7 +35,12 @@ def run_notebook(path: Path, timeout: int = 600) -> int:
             elif out.output_type == "error":
                 print("\n".join(out.traceback))
 
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    )
     client.on_cell_executed = show
     start = time.monotonic()
     try:
@@ -57,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         from labkit.launch import describe_machine
-
 
         for key, value in describe_machine().items():
             print(f"{key:>20}: {value}")

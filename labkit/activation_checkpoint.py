@@ -63,7 +63,9 @@ Policy = str | int | Iterable[int]  # "full" | "none" | every k-th block | a cho
 
 
 def _autocast_state() -> list[tuple[str, torch.dtype]]:
-    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    return [
+        (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
+    ]
 
 
 class _Recompute(torch.autograd.Function):
@@ -74,7 +76,9 @@ class _Recompute(torch.autograd.Function):
         ctx.fn = fn
         ctx.preserve_rng = preserve_rng
         ctx.autocast = _autocast_state()
-        ctx.cuda_devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+        ctx.cuda_devices = sorted(
+            {a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda}
+        )
         if preserve_rng:
             ctx.cpu_rng = torch.get_rng_state()
             ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
@@ -95,7 +99,9 @@ class _Recompute(torch.autograd.Function):
             else:
                 inputs.append(other)
         with ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=ctx.cuda_devices, enabled=ctx.preserve_rng))
+            stack.enter_context(
+                torch.random.fork_rng(devices=ctx.cuda_devices, enabled=ctx.preserve_rng)
+            )
             if ctx.preserve_rng:
                 torch.set_rng_state(ctx.cpu_rng)
                 for device, state in zip(ctx.cuda_devices, ctx.cuda_rng):
@@ -149,13 +155,17 @@ class CheckpointedBlock(nn.Module):
         return checkpoint(self.block, *args, preserve_rng_state=self.preserve_rng_state)
 
 
-def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _strip_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     for key in [k for k in state_dict if k.startswith(prefix + "block.")]:
         state_dict[prefix + key[len(prefix) + len("block.") :]] = state_dict.pop(key)
 
 
 def _add_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "block.")]:
+    for key in [
+        k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "block.")
+    ]:
         state_dict[prefix + "block." + key[len(prefix) :]] = state_dict.pop(key)
 
 
@@ -170,7 +180,9 @@ def select_blocks(n_blocks: int, policy: Policy) -> list[int]:
             return list(range(n_blocks))
         if policy == "none":
             return []
-        raise ValueError(f"policy must be 'full', 'none', an int k or a set of block indices, got {policy!r}")
+        raise ValueError(
+            f"policy must be 'full', 'none', an int k or a set of block indices, got {policy!r}"
+        )
     if isinstance(policy, bool):
         raise ValueError(f"policy must not be a bool, got {policy!r}")
     if isinstance(policy, int):
@@ -185,7 +197,11 @@ def select_blocks(n_blocks: int, policy: Policy) -> list[int]:
 
 
 def apply_activation_checkpointing(
-    blocks: nn.ModuleList, policy: Policy = "full", *, impl: str = "labkit", preserve_rng_state: bool = True
+    blocks: nn.ModuleList,
+    policy: Policy = "full",
+    *,
+    impl: str = "labkit",
+    preserve_rng_state: bool = True,
 ) -> list[int]:
     """Wrap the chosen ``blocks`` (e.g. ``gpt.blocks``) in place; return their indices."""
     chosen = select_blocks(len(blocks), policy)
@@ -238,7 +254,9 @@ def forward_flops(module: nn.Module, *inputs: Any) -> int:
     return int(counter.get_total_flops())
 
 
-def step_activation_bytes(model: nn.Module, *inputs: Any, loss_fn: LossFn = _call) -> dict[str, int]:
+def step_activation_bytes(
+    model: nn.Module, *inputs: Any, loss_fn: LossFn = _call
+) -> dict[str, int]:
     """Peak bytes of one ``loss_fn(model, *inputs).backward()`` on the model's device.
 
     Returns ``{"activations": ..., "total": ...}``: the peak of the "activations" ledger
@@ -286,7 +304,9 @@ def policy_costs(
             models[name, impl] = model
             costs[name, impl] = {
                 "flops": step_flops(model, *inputs, loss_fn=loss_fn),  # also the warm-up step
-                "activation_bytes": step_activation_bytes(model, *inputs, loss_fn=loss_fn)["activations"],
+                "activation_bytes": step_activation_bytes(model, *inputs, loss_fn=loss_fn)[
+                    "activations"
+                ],
                 "seconds": float("inf"),
             }
     for _ in range(repeats):

@@ -41,7 +41,9 @@ def kill_survivors(tag: str, what: str = "their job") -> None:
 
 @pytest.fixture
 def job_tag():
-    """A tag to pass as ``env={"LABKIT_TEST_TAG": tag}``; the test fails if any tagged process survives."""
+    """A tag to pass as ``env={"LABKIT_TEST_TAG": tag}``.
+
+    The test fails if any tagged process survives."""
     tag = uuid.uuid4().hex
     yield tag
     kill_survivors(tag)

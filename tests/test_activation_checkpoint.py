@@ -94,7 +94,10 @@ def test_flops_add_one_forward_of_wrapped_blocks(gpt_and_batch):
         for policy in POLICIES:
             ckpt = copy.deepcopy(model)
             chosen = apply_activation_checkpointing(ckpt.blocks, policy, impl=impl)
-            assert step_flops(ckpt, idx, tgt, loss_fn=gpt_loss) == base + len(chosen) * per_block, (impl, policy)
+            assert step_flops(ckpt, idx, tgt, loss_fn=gpt_loss) == base + len(chosen) * per_block, (
+                impl,
+                policy,
+            )
 
 
 def test_memory_full_lt_selective_lt_none_and_close_to_torch(gpt_and_batch):
@@ -104,7 +107,9 @@ def test_memory_full_lt_selective_lt_none_and_close_to_torch(gpt_and_batch):
         for policy in ("none", 2, "full"):
             m = copy.deepcopy(model)
             apply_activation_checkpointing(m.blocks, policy, impl=impl)
-            peaks[impl, str(policy)] = step_activation_bytes(m, idx, tgt, loss_fn=gpt_loss)["activations"]
+            peaks[impl, str(policy)] = step_activation_bytes(m, idx, tgt, loss_fn=gpt_loss)[
+                "activations"
+            ]
     ours = [peaks["labkit", p] for p in ("none", "2", "full")]
     assert ours[0] > ours[1] > ours[2]
     assert ours[0] > 2 * ours[2]  # 4 blocks' intermediates vs 4 inputs + one block's

@@ -35,7 +35,9 @@ def reshard_runs(tmp_path_factory):
     for world_size, start in ((2, 2), (3, 4)):
         src = root / "w4" / f"step_{start:08d}"
         shutil.copytree(src, root / f"w{world_size}" / src.name)
-        runs[world_size] = run_drill(RESHARD, root / f"w{world_size}", world_size=world_size, timeout=90)
+        runs[world_size] = run_drill(
+            RESHARD, root / f"w{world_size}", world_size=world_size, timeout=90
+        )
     return root, runs
 
 
@@ -60,7 +62,9 @@ def test_layout_metadata_and_partial_reads(reshard_runs):
     ckpt = load_checkpoint(root / "w4", 4)
     assert ckpt.world_size == 4 and ckpt.step == 4
     assert sorted(p.name for p in ckpt.path.iterdir()) == [
-        "common.pt", "metadata.json", *(f"shard_{r:05d}.pt" for r in range(4))
+        "common.pt",
+        "metadata.json",
+        *(f"shard_{r:05d}.pt" for r in range(4)),
     ]
     for key, entry in ckpt.meta["tensors"].items():
         ranges = [(s, e) for _, s, e in entry["slices"]]
@@ -100,7 +104,10 @@ def test_damaged_files_give_a_clear_error_naming_the_file(reshard_runs, tmp_path
     else:
         data[len(data) // 2] ^= 0x01  # one flipped bit
         target.write_bytes(data)
-    with pytest.raises(CheckpointError, match={"truncated": "truncated", "missing": "missing"}.get(damage, "corrupt")) as err:
+    with pytest.raises(
+        CheckpointError,
+        match={"truncated": "truncated", "missing": "missing"}.get(damage, "corrupt"),
+    ) as err:
         load_checkpoint(dst)
     assert str(target) in str(err.value)
 
@@ -113,7 +120,10 @@ def test_loading_refuses_arbitrary_pickles_even_with_matching_checksums(tmp_path
     (folder / "shard_00000.pt").write_bytes(buf.getvalue())
     meta = json.loads((folder / "metadata.json").read_text())
 
-    meta["files"]["shard_00000.pt"] = {"bytes": len(buf.getvalue()), "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}
+    meta["files"]["shard_00000.pt"] = {
+        "bytes": len(buf.getvalue()),
+        "sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
+    }
     (folder / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="weights_only"):
         load_checkpoint(tmp_path).rank_state(0, 1)
@@ -166,7 +176,9 @@ def test_kill_a_rank_and_resume_bit_identically(tmp_path):
     cfg = DrillConfig(steps=6, ckpt_every=2)
     ref = run_drill(cfg, tmp_path / "ref", world_size=2)
 
-    a = DrillConfig(steps=6, ckpt_every=2, kill_rank=1, kill_at_step=5, kill_marker=str(tmp_path / "a.killed"))
+    a = DrillConfig(
+        steps=6, ckpt_every=2, kill_rank=1, kill_at_step=5, kill_marker=str(tmp_path / "a.killed")
+    )
     out_a = run_drill(a, tmp_path / "a", world_size=2, max_restarts=1)
     assert (tmp_path / "a.killed").exists()
 

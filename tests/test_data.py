@@ -1,4 +1,4 @@
-"""MNIST loader (shipped, corrupt, truncated, missing files) and the distributed sampler's invariants."""
+"""MNIST loader (shipped, corrupt, truncated, missing files) and the sampler's invariants."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ LABELS = shipped("mnist/t10k-labels-idx1-ubyte.gz")
 
 
 def write_idx(path, array: np.ndarray, magic_type: int = 0x08, gz: bool = False) -> None:
-    header = struct.pack(">HBB", 0, magic_type, array.ndim) + struct.pack(f">{array.ndim}i", *array.shape)
+    header = struct.pack(">HBB", 0, magic_type, array.ndim) + struct.pack(
+        f">{array.ndim}i", *array.shape
+    )
     data = header + array.astype(np.uint8).tobytes()
     path.write_bytes(gzip.compress(data) if gz else data)
 
@@ -32,7 +34,8 @@ def test_shipped_test_split_reads_as_real_mnist():
     assert images.shape == (10000, 28, 28) and images.dtype == torch.uint8
     assert labels.shape == (10000,) and labels.dtype == torch.int64
     counts = Counter(labels.tolist())
-    assert sorted(counts) == list(range(10)) and min(counts.values()) > 850  # every digit, ~1000 each
+    # every digit, ~1000 each
+    assert sorted(counts) == list(range(10)) and min(counts.values()) > 850
     assert labels[:10].tolist() == [7, 2, 1, 0, 4, 1, 4, 9, 5, 9]  # the famous first test digits
     assert 0.12 < images.float().mean().item() / 255 < 0.14  # MNIST's mean ink
 
@@ -54,7 +57,8 @@ def test_full_dataset_from_a_user_folder(tmp_path):
     rng = np.random.default_rng(0)
     write_idx(tmp_path / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (6, 28, 28)), gz=True)
     write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(6), gz=True)
-    write_idx(tmp_path / "t10k-images-idx3-ubyte", rng.integers(0, 256, (4, 28, 28)))  # raw works too
+    # raw works too
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", rng.integers(0, 256, (4, 28, 28)))
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.arange(4))
     assert len(MNIST("train", root=tmp_path)) == 6
     assert MNIST("val", root=tmp_path).labels.tolist() == [0, 1, 2, 3]
@@ -120,10 +124,14 @@ def test_wrong_magic_type_and_mismatched_pair(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_shards_partition_the_epoch(n, world_size):
     for drop_last in (False, True):
-        shards = [shard_indices(n, r, world_size, epoch=3, drop_last=drop_last) for r in range(world_size)]
+        shards = [
+            shard_indices(n, r, world_size, epoch=3, drop_last=drop_last) for r in range(world_size)
+        ]
         lengths = {len(s) for s in shards}
         assert len(lengths) == 1, "every rank must take the same number of steps"
-        samplers = [DistributedSampler(n, r, world_size, drop_last=drop_last) for r in range(world_size)]
+        samplers = [
+            DistributedSampler(n, r, world_size, drop_last=drop_last) for r in range(world_size)
+        ]
         for s in samplers:
             s.set_epoch(3)
         assert [list(s) for s in samplers] == shards and len(samplers[0]) == lengths.pop()

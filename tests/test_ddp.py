@@ -65,7 +65,9 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
             w.world_size = 1
             return w
 
-        wraps.update(mutant_sum=summing, mutant_zeros=ZerosForUnused, mutant_no_broadcast=NoBroadcast)
+        wraps.update(
+            mutant_sum=summing, mutant_zeros=ZerosForUnused, mutant_no_broadcast=NoBroadcast
+        )
 
     out: dict = {"runs": {}}
     for accum in accums:
@@ -80,7 +82,9 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
         if dist.get_rank() in (1, 2):
             for name in ("naive", "overlapped"):
                 wrap = lambda m, c=VARIANTS[name]: c(m, group=sub)  # noqa: E731
-                out[("subgroup", name)] = eq.train_distributed(wrap, steps=STEPS, accum=3, group=sub)[0]
+                out[("subgroup", name)] = eq.train_distributed(
+                    wrap, steps=STEPS, accum=3, group=sub
+                )[0]
             ring_on_sub = lambda m: VARIANTS["overlapped"](m, comm=Comm(sub, impl="ring"))  # noqa: E731
             out[("subgroup", "overlapped_ring")] = eq.train_distributed(
                 ring_on_sub, steps=STEPS, accum=3, group=sub
@@ -144,7 +148,9 @@ def test_parameters_bit_identical_across_ranks(world, variant):
             other, _ = results[rank]["runs"][(variant, accum)]
             for step, (a, b) in enumerate(zip(rank0, other)):
                 for name in a:
-                    assert torch.equal(a[name], b[name]), f"{variant}: rank {rank} != rank 0 at step {step}, {name}"
+                    assert torch.equal(a[name], b[name]), (
+                        f"{variant}: rank {rank} != rank 0 at step {step}, {name}"
+                    )
 
 
 @pytest.mark.timeout(150)
@@ -221,7 +227,10 @@ def test_harness_catches_broken_ddp(world):
     zeros = eq.first_divergence(refs[1], runs[("mutant_zeros", 1)][0])
     assert zeros is not None and "extra." in zeros, zeros
     assert eq.first_divergence(refs[1], runs[("mutant_no_broadcast", 1)][0]) is not None
-    assert "produced twice" in results[0]["double_backward"] and "no_sync" in results[0]["double_backward"]
+    assert (
+        "produced twice" in results[0]["double_backward"]
+        and "no_sync" in results[0]["double_backward"]
+    )
 
 
 def test_partition_buckets_keeps_order_and_cap():
@@ -241,7 +250,9 @@ def test_bad_arguments_fail_before_any_communication():
         with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got -1"):
             cls(eq.AwkwardNet(), bucket_cap_mb=-1)
     for cls in (DataParallel, *VARIANTS.values()):
-        with pytest.raises(RuntimeError, match=f"{cls.__name__} needs torch.distributed initialised"):
+        with pytest.raises(
+            RuntimeError, match=f"{cls.__name__} needs torch.distributed initialised"
+        ):
             cls(eq.AwkwardNet())
 
 
@@ -272,7 +283,9 @@ class _ZerosForUnused(OverlappedDDP):
 def test_exercise_check_passes_ours_and_names_the_first_divergence(capsys):
     check_overlapped_ddp(OverlappedDDP)
     assert "PASSED" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"after step 1, parameter 'extra\.(weight|bias)'.*\n.*grad=None"):
+    with pytest.raises(
+        CheckFailed, match=r"after step 1, parameter 'extra\.(weight|bias)'.*\n.*grad=None"
+    ):
         check_overlapped_ddp(_ZerosForUnused)
     with pytest.raises(CheckFailed, match="nothing overlaps"):
         check_overlapped_ddp(BucketedDDP)  # right numbers, all sent after backward

@@ -12,7 +12,9 @@ import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("make_exercises", ROOT / "tools" / "make_exercises.py")
+spec = importlib.util.spec_from_file_location(
+    "make_exercises", ROOT / "tools" / "make_exercises.py"
+)
 assert spec and spec.loader
 make_exercises = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(make_exercises)
@@ -21,7 +23,10 @@ EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 
 def test_fenced_region_becomes_a_stub_at_its_indentation():
-    source = "def f(x):\n    ### BEGIN SOLUTION (hint: one line)\n    return x + 1\n    ### END SOLUTION\nprint(f)"
+    source = (
+        "def f(x):\n    ### BEGIN SOLUTION (hint: one line)\n"
+        "    return x + 1\n    ### END SOLUTION\nprint(f)"
+    )
     assert make_exercises.strip_solutions(source, "t") == (
         "def f(x):\n    # YOUR CODE HERE (hint: one line)\n"
         '    raise NotImplementedError("exercise: replace this line with your code")\nprint(f)'
@@ -43,7 +48,11 @@ def test_unbalanced_fences_are_errors(source, message):
 
 def test_every_exercise_is_generated_from_its_solution_and_notebooks_are_clean():
     # Fails when a solution changed without regenerating, or a notebook was committed with outputs.
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "make_exercises.py"), "--check"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_exercises.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert {p.name for p in EXERCISES} == {p.name for p in (ROOT / "solutions").glob("*.ipynb")}
 
@@ -52,10 +61,18 @@ def test_stale_exercise_is_detected(tmp_path, monkeypatch):
     solutions, exercises = tmp_path / "solutions", tmp_path / "exercises"
     solutions.mkdir()
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION")]
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION"
+        )
+    ]
     nbformat.write(nb, solutions / "01_x.ipynb")
     for name in ("ROOT", "SOLUTIONS", "EXERCISES"):
-        monkeypatch.setattr(make_exercises, name, {"ROOT": tmp_path, "SOLUTIONS": solutions, "EXERCISES": exercises}[name])
+        monkeypatch.setattr(
+            make_exercises,
+            name,
+            {"ROOT": tmp_path, "SOLUTIONS": solutions, "EXERCISES": exercises}[name],
+        )
     assert make_exercises.main(["--check"]) == 1  # missing
     assert make_exercises.main([]) == 0
     assert make_exercises.main(["--check"]) == 0
@@ -64,13 +81,41 @@ def test_stale_exercise_is_detected(tmp_path, monkeypatch):
     assert make_exercises.main(["--check"]) == 1  # the solution moved on
 
 
+def test_long_code_cell_lines_are_reported(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    long_line = "x = " + "1 + " * 30 + "1"  # 125 characters
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("prose " * 40),  # prose may run long: only code counts
+        nbformat.v4.new_code_cell("y = 2\n" + long_line),
+        nbformat.v4.new_code_cell("z = " + "2" * (make_exercises.MAX_LINE - 4)),  # at the limit
+    ]
+    path = tmp_path / "01_x.ipynb"
+    nbformat.write(nb, path)
+    found = make_exercises.long_code_lines([path])
+    assert found == [f"{tmp_path.name}/01_x.ipynb cell 1, line 2 has 125 characters (at most 100)"]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("path", EXERCISES, ids=[p.stem for p in EXERCISES])
 def test_exercise_runs_with_no_error_but_its_stubs(path):
     # nbval's raises-exception tag also passes when nothing raises, so it cannot prove this.
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(path.parent)}}).execute()
-    errors = [(i, out) for i, cell in enumerate(nb.cells) if cell.cell_type == "code" for out in cell.outputs if out.output_type == "error"]
+    NotebookClient(
+        nb,
+        timeout=120,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
+    errors = [
+        (i, out)
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if out.output_type == "error"
+    ]
     assert errors, f"{path.name}: no cell raised, so the stubs do not stop the learner"
     for i, out in errors:
-        assert out.ename == "NotImplementedError", f"{path.name} cell {i} raised {out.ename}: {out.evalue}"
+        assert out.ename == "NotImplementedError", (
+            f"{path.name} cell {i} raised {out.ename}: {out.evalue}"
+        )

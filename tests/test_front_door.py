@@ -29,7 +29,13 @@ def _free_port() -> int:
 def test_lab_command_serves_the_welcome_notebook():
     port, token = _free_port(), "labkit-test-token"
     proc = subprocess.Popen(
-        [str(ROOT / "lab"), "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}"],
+        [
+            str(ROOT / "lab"),
+            "--no-browser",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -42,13 +48,19 @@ def test_lab_command_serves_the_welcome_notebook():
                 with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5):
                     break
             except (urllib.error.URLError, ConnectionError):
-                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "lab exited"
+                assert proc.poll() is None, (
+                    proc.stderr.read().decode() if proc.stderr else "lab exited"
+                )
                 assert time.monotonic() < deadline, "JupyterLab did not come up"
                 time.sleep(0.5)
-        with urllib.request.urlopen(f"{base}/api/contents/notebooks?token={token}", timeout=10) as r:
+        with urllib.request.urlopen(
+            f"{base}/api/contents/notebooks?token={token}", timeout=10
+        ) as r:
             names = {item["name"] for item in json.load(r)["content"]}
         assert "00_welcome.ipynb" in names
-        with urllib.request.urlopen(f"{base}/lab/tree/notebooks/00_welcome.ipynb?token={token}", timeout=10) as r:
+        with urllib.request.urlopen(
+            f"{base}/lab/tree/notebooks/00_welcome.ipynb?token={token}", timeout=10
+        ) as r:
             assert r.status == 200 and b"JupyterLab" in r.read()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -77,10 +89,17 @@ def test_headless_run_prints_each_cells_output(tmp_path):
 
     nb.cells.append(nbformat.v4.new_code_cell("raise ValueError('broken lab')"))
     nbformat.write(nb, tmp_path / "broken.ipynb")
-    broken = subprocess.run([sys.executable, "-m", "labkit", "run", str(tmp_path / "broken.ipynb")], capture_output=True, text=True, timeout=110)
+    broken = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", str(tmp_path / "broken.ipynb")],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert broken.returncode == 1 and "broken lab" in broken.stdout
 
 
 def test_info_command_names_the_backend():
-    out = subprocess.run([sys.executable, "-m", "labkit", "info"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit", "info"], capture_output=True, text=True, check=True
+    ).stdout
     assert "backend for 2 ranks: gloo" in out or "backend for 2 ranks: nccl" in out

@@ -114,7 +114,8 @@ def test_estimates_match_the_published_resnet50_and_the_formulas():
     assert pcie.comm > nvl.comm > 0 and pcie.compute == nvl.compute
     assert predict_ddp_step(params, flops, 64, 1, LINKS["PCIe"]).comm == 0
     tau = young_daly_interval(60, 8 * 3600)
-    # the optimum: overhead is lowest there (negative control: half or twice the interval costs more)
+    # the optimum: overhead is lowest there
+    # (negative control: half or twice the interval costs more)
     assert checkpoint_overhead(tau, 60, 8 * 3600) < min(
         checkpoint_overhead(tau / 2, 60, 8 * 3600), checkpoint_overhead(2 * tau, 60, 8 * 3600)
     )

@@ -322,7 +322,8 @@ _TORCHRUN_SCRIPT = textwrap.dedent(
     def work(offset):  # the same kind of function labkit.launch runs
         t = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(t)
-        print(f"RESULT rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item() + offset}", flush=True)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        print(f"RESULT rank={rank} world={world} sum={t.item() + offset}", flush=True)
 
     run_from_env(work, 100)
     """

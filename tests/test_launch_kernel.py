@@ -111,7 +111,9 @@ def test_stop_button_kills_every_rank_and_kernel_stays_healthy(kernel):
     tag = uuid.uuid4().hex
     reply, _ = run_cell(
         kc,
-        "import signal, os\nbefore = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}\nenv_before = dict(os.environ)",
+        "import signal, os\n"
+        "before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}\n"
+        "env_before = dict(os.environ)",
     )
     assert reply["status"] == "ok"
     code = f'''
@@ -136,7 +138,8 @@ labkit.launch(sleepy, world_size=2, timeout=300, env={{"LABKIT_TEST_TAG": "{tag}
     assert not processes_tagged(tag), "ranks survived the interrupt"
     reply, streams = run_cell(
         kc,
-        "print(before == {s: signal.getsignal(s) for s in before}, env_before == dict(os.environ), 6 * 7)",
+        "print(before == {s: signal.getsignal(s) for s in before}, "
+        "env_before == dict(os.environ), 6 * 7)",
     )
     assert reply["status"] == "ok"
     assert "True True 42" in "".join(s for _, s in streams)

@@ -26,7 +26,11 @@ def test_presets_match_published_counts_from_config_and_meta_module(name: str) -
 
 
 def test_formula_equals_module_for_tiny_shapes_tied_and_untied() -> None:
-    for cfg in (PRESETS["tiny"], PRESETS["tiny"].with_(tie_weights=False), GPTConfig(n_layer=3, n_embd=48, n_head=6)):
+    for cfg in (
+        PRESETS["tiny"],
+        PRESETS["tiny"].with_(tie_weights=False),
+        GPTConfig(n_layer=3, n_embd=48, n_head=6),
+    ):
         model = GPT(cfg)
         assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), cfg
 
@@ -61,7 +65,11 @@ def test_sdpa_and_explicit_attention_agree_and_loss_is_outside_forward() -> None
 def test_causal_no_future_leak() -> None:
     torch.manual_seed(0)
     for attention in ("sdpa", "explicit"):
-        model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, attention=attention))
+        model = GPT(
+            GPTConfig(
+                vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, attention=attention
+            )
+        )
         idx = torch.randint(0, 11, (1, 8))
         changed = idx.clone()
         changed[0, 5] = (idx[0, 5] + 1) % 11

@@ -44,12 +44,20 @@ def _run_with_overflows(scaler, model, opt, overflow: dict[int, float], steps: i
     "kwargs",
     [
         dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
-        dict(init_scale=1000.0, growth_factor=3.0, backoff_factor=0.3, growth_interval=2),  # not powers of 2
-        dict(init_scale=2.0**126, growth_factor=4.0, backoff_factor=0.5, growth_interval=1),  # growth hits fp32 max
+        # not powers of 2
+        dict(init_scale=1000.0, growth_factor=3.0, backoff_factor=0.3, growth_interval=2),
+        # growth hits fp32 max
+        dict(init_scale=2.0**126, growth_factor=4.0, backoff_factor=0.5, growth_interval=1),
     ],
 )
 def test_scaler_matches_gradscaler_with_injected_overflows(kwargs):
-    overflow = {2: float("inf"), 3: float("nan"), 4: float("-inf"), 9: float("inf"), 15: float("nan")}
+    overflow = {
+        2: float("inf"),
+        3: float("nan"),
+        4: float("-inf"),
+        9: float("inf"),
+        15: float("nan"),
+    }
     ours_model, ref_model = _tiny(), _tiny()
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
@@ -72,11 +80,16 @@ def test_update_rule_matches_torch_kernel_on_random_sequences():
     for _ in range(50):
         gf, bf, gi = rng.choice([2.0, 1.5, 3.0]), rng.choice([0.5, 0.25, 0.7]), rng.randint(1, 4)
         scale, tracker = rng.choice([1.0, 2.0**16, 3e37]), 0
-        t_scale, t_tracker = torch.tensor(scale, dtype=torch.float32), torch.tensor(0, dtype=torch.int32)
+        t_scale, t_tracker = (
+            torch.tensor(scale, dtype=torch.float32),
+            torch.tensor(0, dtype=torch.int32),
+        )
         scale = float(t_scale)
         for _ in range(30):
             found = rng.random() < 0.3
-            scale, tracker = update_scale(scale, tracker, found, growth_factor=gf, backoff_factor=bf, growth_interval=gi)
+            scale, tracker = update_scale(
+                scale, tracker, found, growth_factor=gf, backoff_factor=bf, growth_interval=gi
+            )
             torch._amp_update_scale_(t_scale, t_tracker, torch.tensor(float(found)), gf, bf, gi)
             assert (scale, tracker) == (float(t_scale), int(t_tracker))
 
@@ -93,7 +106,12 @@ def test_scaler_state_dict_roundtrip_and_interop():
 
 
 def test_scaler_rejects_bad_arguments_and_misuse():
-    for bad in (dict(init_scale=0.0), dict(growth_factor=1.0), dict(backoff_factor=1.0), dict(growth_interval=0)):
+    for bad in (
+        dict(init_scale=0.0),
+        dict(growth_factor=1.0),
+        dict(backoff_factor=1.0),
+        dict(growth_interval=0),
+    ):
         with pytest.raises(ValueError):
             DynamicLossScaler(**bad)
     model = _tiny()
@@ -112,7 +130,9 @@ def test_scaler_rejects_bad_arguments_and_misuse():
 def test_master_weights_float32_is_plain_training():
     """With dtype=float32 and no scaler the trainer must be exactly ordinary training."""
     a, b = _tiny(), _tiny()
-    trainer = MixedPrecisionTrainer(a, lambda ps: torch.optim.AdamW(ps, lr=1e-2), dtype=torch.float32)
+    trainer = MixedPrecisionTrainer(
+        a, lambda ps: torch.optim.AdamW(ps, lr=1e-2), dtype=torch.float32
+    )
     opt = torch.optim.AdamW(b.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
@@ -129,6 +149,7 @@ def test_master_weights_float32_is_plain_training():
 def test_bf16_master_weights_keep_updates_that_bf16_weights_lose():
     """dtype bfloat16: 20 updates of 1e-3 on a weight equal to 1.0 are each below half a bf16
     ulp (2^-8); pure bf16 weights never move, fp32 master weights move by 0.02."""
+
     def model():
         lin = nn.Linear(1, 1, bias=False)
         nn.init.ones_(lin.weight)
@@ -136,7 +157,9 @@ def test_bf16_master_weights_keep_updates_that_bf16_weights_lose():
 
     pure = model().to(torch.bfloat16)
     pure_opt = torch.optim.SGD(pure.parameters(), lr=1e-3)
-    trainer = MixedPrecisionTrainer(model(), lambda ps: torch.optim.SGD(ps, lr=1e-3), dtype=torch.bfloat16)
+    trainer = MixedPrecisionTrainer(
+        model(), lambda ps: torch.optim.SGD(ps, lr=1e-3), dtype=torch.bfloat16
+    )
     x = torch.ones(1, 1)
     for _ in range(20):  # d(output)/dw = x = 1, so every step subtracts lr * 1
         pure_opt.zero_grad()
@@ -148,7 +171,8 @@ def test_bf16_master_weights_keep_updates_that_bf16_weights_lose():
     assert pure.weight.item() == 1.0  # every update rounded away
     assert trainer.master[0].item() == pytest.approx(1.0 - 20e-3, abs=1e-6)
     assert trainer.model.weight.dtype == torch.bfloat16
-    assert trainer.model.weight.item() == torch.tensor(0.98).bfloat16().item()  # re-rounded copy moved
+    # the re-rounded copy moved
+    assert trainer.model.weight.item() == torch.tensor(0.98).bfloat16().item()
 
 
 def test_bf16_training_tracks_fp32():
@@ -156,7 +180,9 @@ def test_bf16_training_tracks_fp32():
     torch.manual_seed(0)
     x, y = torch.randn(64, 8), torch.randn(64, 4)
     ref = _tiny()
-    trainer = MixedPrecisionTrainer(_tiny(), lambda ps: torch.optim.Adam(ps, lr=1e-2), dtype=torch.bfloat16)
+    trainer = MixedPrecisionTrainer(
+        _tiny(), lambda ps: torch.optim.Adam(ps, lr=1e-2), dtype=torch.bfloat16
+    )
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for _ in range(40):
         opt.zero_grad()
@@ -183,9 +209,13 @@ def test_fp16_loss_scaling_rescues_underflowing_gradients():
 
     ref = _tiny()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e6)
-    plain = MixedPrecisionTrainer(_tiny(), lambda ps: torch.optim.SGD(ps, lr=1e6), dtype=torch.float16)
+    plain = MixedPrecisionTrainer(
+        _tiny(), lambda ps: torch.optim.SGD(ps, lr=1e6), dtype=torch.float16
+    )
     scaled = MixedPrecisionTrainer(
-        _tiny(), lambda ps: torch.optim.SGD(ps, lr=1e6), dtype=torch.float16,
+        _tiny(),
+        lambda ps: torch.optim.SGD(ps, lr=1e6),
+        dtype=torch.float16,
         scaler=DynamicLossScaler(init_scale=2.0**24),
     )
     tiny_loss(ref, torch.float32).backward()
@@ -204,7 +234,9 @@ def test_fp16_overflow_is_skipped_and_scale_backs_off():
     """dtype float16: an initial scale of 2^30 overflows fp16 (max 65504); steps are skipped,
     master weights untouched, until the scale has backed off enough."""
     trainer = MixedPrecisionTrainer(
-        _tiny(), lambda ps: torch.optim.SGD(ps, lr=0.1), dtype=torch.float16,
+        _tiny(),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        dtype=torch.float16,
         scaler=DynamicLossScaler(init_scale=2.0**30),
     )
     start = [m.detach().clone() for m in trainer.master]
@@ -255,4 +287,6 @@ def test_trainer_rejects_non_fp32_model():
     with pytest.raises(ValueError, match="float32"):
         MixedPrecisionTrainer(_tiny().half(), lambda ps: torch.optim.SGD(ps, lr=1.0))
     with pytest.raises(ValueError, match="dtype"):
-        MixedPrecisionTrainer(copy.deepcopy(_tiny()), lambda ps: torch.optim.SGD(ps, lr=1.0), dtype=torch.int8)
+        MixedPrecisionTrainer(
+            copy.deepcopy(_tiny()), lambda ps: torch.optim.SGD(ps, lr=1.0), dtype=torch.int8
+        )

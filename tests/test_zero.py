@@ -38,6 +38,7 @@ from labkit.memory.model import (
     transformer_activation_bytes,
     zero_table1,
 )
+from labkit.reference import train_reference
 from labkit.zero import AdamConfig, flat_layout, make_optimizer
 from labkit.zero.ledger import DEFAULT_GPT
 from tests.ranks import run_ranks
@@ -120,7 +121,9 @@ def test_memory_model_formulas():
 
 
 def test_bad_options_fail_before_any_communication():
-    with pytest.raises(ValueError, match="param_dtype must be float32, bfloat16 or float16, got torch.int8"):
+    with pytest.raises(
+        ValueError, match="param_dtype must be float32, bfloat16 or float16, got torch.int8"
+    ):
         make_optimizer("zero1", nn.Linear(2, 2), param_dtype=torch.int8)
     with pytest.raises(ValueError, match="unknown collective implementation 'mpi'"):
         make_optimizer("zero2", nn.Linear(2, 2), comm_impl="mpi")
@@ -137,7 +140,8 @@ class Toy(nn.Module):
         self.frozen = nn.Linear(5, 5)
         self.frozen.requires_grad_(False)
         self.tied = nn.Linear(5, 5)
-        self.tied.weight = self.mid.weight  # shared with another module: ZeRO-3 gathers mid's unit for it
+        # shared with another module: ZeRO-3 gathers mid's unit for it
+        self.tied.weight = self.mid.weight
         self.out = nn.Linear(5, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,12 +210,8 @@ def _reference() -> tuple[nn.Module, torch.optim.AdamW]:
     torch.manual_seed(0)
     model = Toy()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    for step in range(STEPS):
-        opt.zero_grad()
-        for micro in range(ACCUM):
-            x, y = _data(step, micro)
-            (nn.functional.mse_loss(model(x), y) / ACCUM).backward()
-        opt.step()
+    steps = [[_data(step, micro) for micro in range(ACCUM)] for step in range(STEPS)]
+    train_reference(model, opt, steps, lambda m, x, y: nn.functional.mse_loss(m(x), y))
     return model, opt
 
 
@@ -220,7 +220,9 @@ def _mixed_reference() -> list[nn.Parameter]:
     from labkit.precision import MixedPrecisionTrainer
 
     torch.manual_seed(0)
-    trainer = MixedPrecisionTrainer(Toy(), lambda ps: torch.optim.AdamW(ps, lr=LR), dtype=torch.bfloat16)
+    trainer = MixedPrecisionTrainer(
+        Toy(), lambda ps: torch.optim.AdamW(ps, lr=LR), dtype=torch.bfloat16
+    )
     for step in range(STEPS):
         trainer.zero_grad()
         for micro in range(ACCUM):
@@ -243,7 +245,13 @@ def test_every_stage_equals_single_process_adamw(world_size):
     trainable = [n for n, p in ref.named_parameters() if p.requires_grad]
     for stage, sd in mixed_results:
         for name, master in zip(trainable, _mixed_reference()):
-            torch.testing.assert_close(sd["params"][name], master.detach(), atol=LR / 10, rtol=0, msg=lambda m, s=stage, nm=name: f"bf16 {s}, {nm}: {m}")
+            torch.testing.assert_close(
+                sd["params"][name],
+                master.detach(),
+                atol=LR / 10,
+                rtol=0,
+                msg=lambda m, s=stage, nm=name: f"bf16 {s}, {nm}: {m}",
+            )
     for stage, kw, sd, frozen_same in fp32_results:
         what = f"{stage}{kw} on {world_size} ranks"
         assert frozen_same, f"{what}: the frozen parameter changed"
@@ -253,8 +261,18 @@ def test_every_stage_equals_single_process_adamw(world_size):
             if not p.requires_grad:
                 continue
             st = ref_opt.state[p]
-            for key, want in (("params", p.detach()), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
-                torch.testing.assert_close(sd[key][name], want, atol=1e-6, rtol=1e-5, msg=lambda m, w=what, k=key, nm=name: f"{w}, {k} of {nm}: {m}")
+            for key, want in (
+                ("params", p.detach()),
+                ("exp_avg", st["exp_avg"]),
+                ("exp_avg_sq", st["exp_avg_sq"]),
+            ):
+                torch.testing.assert_close(
+                    sd[key][name],
+                    want,
+                    atol=1e-6,
+                    rtol=1e-5,
+                    msg=lambda m, w=what, k=key, nm=name: f"{w}, {k} of {nm}: {m}",
+                )
 
 
 # --------------------------------------------------------------------------- the ledger
@@ -274,9 +292,13 @@ def test_measured_ledger_matches_model(world_size):
         for r in mixed:
             for cat in ("parameters", "gradients", "optimizer_state"):
                 got, want = r["peak"][cat], r["predicted"][cat]
-                assert abs(got - want) <= 0.05 * want, f"bf16 {r['stage']} rank {rank} {cat}: {got} vs {want}"
+                assert abs(got - want) <= 0.05 * want, (
+                    f"bf16 {r['stage']} rank {rank} {cat}: {got} vs {want}"
+                )
             sent = sum(r["sent_per_step"].values())
-            assert abs(sent - r["sent_predicted"]) <= 0.05 * r["sent_predicted"], f"bf16 {r['stage']}: sent {sent}"
+            assert abs(sent - r["sent_predicted"]) <= 0.05 * r["sent_predicted"], (
+                f"bf16 {r['stage']}: sent {sent}"
+            )
         peaks = {}
         for r in [*results, *mixed]:
             # The total peak against a sum made without the code's own labels: the formula's
@@ -294,14 +316,20 @@ def test_measured_ledger_matches_model(world_size):
             assert r["psi"] == DEFAULT_GPT.num_params()  # tied head once, no padding counted
             for cat in ("parameters", "gradients", "optimizer_state"):
                 got, want = r["peak"][cat], r["predicted"][cat]
-                assert abs(got - want) <= 0.05 * want, f"{what} {cat}: measured {got} vs predicted {want}"
+                assert abs(got - want) <= 0.05 * want, (
+                    f"{what} {cat}: measured {got} vs predicted {want}"
+                )
             sent = sum(r["sent_per_step"].values())
-            assert abs(sent - r["sent_predicted"]) <= 0.05 * r["sent_predicted"], f"{what}: sent {sent}"
+            assert abs(sent - r["sent_predicted"]) <= 0.05 * r["sent_predicted"], (
+                f"{what}: sent {sent}"
+            )
             peaks[r["stage"]] = r["peak_bytes"]
             # nothing leaks: after the step the gathered parameters and comm buffers are freed
             # (gloo may still hold a just-finished collective's small input for a moment)
             left = r["current"]["temporaries"]
-            assert left <= 0.01 * 4 * r["psi"], f"{what}: {left} B of temporaries left after the step"
+            assert left <= 0.01 * 4 * r["psi"], (
+                f"{what}: {left} B of temporaries left after the step"
+            )
         full_grads = 4 * results[0]["psi"]
         # stage 2 never holds all full gradients at once: only one unit's, in flight
         assert results[2]["peak"]["temporaries"] < full_grads / 2
@@ -343,8 +371,14 @@ class Branchy(nn.Module):
 
 BRANCHY = [("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}), ("zero3", {"prefetch": True})]
 CKPT_GPT = {"vocab_size": 65, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
-CKPT = [("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}), ("zero3", {"prefetch": True}),
-        ("zero3", {"wrap": "blocks"})]
+CKPT = [
+    ("ddp", {}),
+    ("zero1", {}),
+    ("zero2", {}),
+    ("zero3", {}),
+    ("zero3", {"prefetch": True}),
+    ("zero3", {"wrap": "blocks"}),
+]
 SCALED = ["zero1", "zero2", "zero3"]  # fp16 + DynamicLossScaler; step 1 overflows
 SCALER = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20}  # after the overflow: 2^10
 
@@ -403,8 +437,9 @@ def _rank_dependent_checkpointed_scaled() -> dict:
         torch.manual_seed(0)
         model = Toy()
         scaler = DynamicLossScaler(**SCALER)
-        opt = make_optimizer(stage, model, AdamConfig(lr=LR), param_dtype=torch.float16,
-                             scaler=scaler)
+        opt = make_optimizer(
+            stage, model, AdamConfig(lr=LR), param_dtype=torch.float16, scaler=scaler
+        )
         took = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -432,7 +467,9 @@ def _branchy_reference() -> tuple[list[dict[str, torch.Tensor]], nn.Module, dict
                 pred = model(x.chunk(n)[r], r == 0, False)
                 (nn.functional.mse_loss(pred, y.chunk(n)[r]) / ACCUM / n).backward()
         opt.step()
-        history.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
+        history.append(
+            {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+        )
     return history, model, opt.state
 
 
@@ -442,12 +479,8 @@ def _ckpt_reference() -> tuple[nn.Module, torch.optim.AdamW]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CKPT_GPT))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(2):
-        opt.zero_grad()
-        for micro in range(ACCUM):
-            idx, tgt = _gpt_data(step, micro)
-            (gpt_loss(model, idx, tgt) / ACCUM).backward()
-        opt.step()
+    steps = [[_gpt_data(step, micro) for micro in range(ACCUM)] for step in range(2)]
+    train_reference(model, opt, steps, gpt_loss)
     return model, opt
 
 
@@ -456,8 +489,9 @@ def _scaled_reference() -> tuple[list[bool], list[nn.Parameter]]:
 
     torch.manual_seed(0)
     scaler = DynamicLossScaler(**SCALER)
-    trainer = MixedPrecisionTrainer(Toy(), lambda ps: torch.optim.AdamW(ps, lr=LR),
-                                    dtype=torch.float16, scaler=scaler)
+    trainer = MixedPrecisionTrainer(
+        Toy(), lambda ps: torch.optim.AdamW(ps, lr=LR), dtype=torch.float16, scaler=scaler
+    )
     took = []
     for step in range(STEPS):
         trainer.zero_grad()
@@ -490,7 +524,10 @@ def test_rank_dependent_layers_checkpointing_and_loss_scaling_on_3_ranks():
         for step, (sd, want) in enumerate(zip(history, ref_history)):
             for name, p in want.items():
                 torch.testing.assert_close(
-                    sd["params"][name], p, atol=1e-6, rtol=1e-5,
+                    sd["params"][name],
+                    p,
+                    atol=1e-6,
+                    rtol=1e-5,
                     msg=lambda m, w=what, s=step, nm=name: f"{w} step {s + 1} {nm}: {m}",
                 )
         final = history[-1]
@@ -501,7 +538,9 @@ def test_rank_dependent_layers_checkpointing_and_loss_scaling_on_3_ranks():
                 assert p not in ref_state  # AdamW never touched it either
             elif p.requires_grad:
                 for key in ("exp_avg", "exp_avg_sq"):
-                    torch.testing.assert_close(final[key][name], ref_state[p][key], atol=1e-6, rtol=1e-5)
+                    torch.testing.assert_close(
+                        final[key][name], ref_state[p][key], atol=1e-6, rtol=1e-5
+                    )
     # negative control: AdamW given zero gradients (a lost "used" flag) moves the unused layer
     torch.manual_seed(0)
     lone = Branchy().unused
@@ -520,8 +559,13 @@ def test_rank_dependent_layers_checkpointing_and_loss_scaling_on_3_ranks():
             # k's bias has a true gradient of 0 (softmax ignores a constant per query): Adam
             # turns rounding noise there into steps of up to lr, so it only gets a loose bound
             atol = 2 * LR if name.endswith("attn.k.bias") else 1e-5
-            torch.testing.assert_close(got, p.detach(), atol=atol, rtol=1e-4,
-                                       msg=lambda m, w=what, nm=name: f"{w}, {nm}: {m}")
+            torch.testing.assert_close(
+                got,
+                p.detach(),
+                atol=atol,
+                rtol=1e-4,
+                msg=lambda m, w=what, nm=name: f"{w}, {nm}: {m}",
+            )
             got_m = next(v for k, v in sd["exp_avg"].items() if k.replace(".block.", ".") == name)
             torch.testing.assert_close(got_m, ref_opt.state[p]["exp_avg"], atol=1e-6, rtol=1e-3)
 
@@ -532,8 +576,13 @@ def test_rank_dependent_layers_checkpointing_and_loss_scaling_on_3_ranks():
         assert took == took_ref, f"fp16 {stage}: steps taken {took} vs {took_ref}"
         assert int(sd["step"]["step"]) == sum(took_ref)
         for name, m in zip(trainable, master):
-            torch.testing.assert_close(sd["params"][name], m.detach(), atol=LR / 10, rtol=0,
-                                       msg=lambda msg, s=stage, nm=name: f"fp16 {s}, {nm}: {msg}")
+            torch.testing.assert_close(
+                sd["params"][name],
+                m.detach(),
+                atol=LR / 10,
+                rtol=0,
+                msg=lambda msg, s=stage, nm=name: f"fp16 {s}, {nm}: {msg}",
+            )
 
 
 def test_a_callback_queued_inside_a_checkpointed_block_runs_before_the_outer_backward_ends():
@@ -550,6 +599,8 @@ def test_a_callback_queued_inside_a_checkpointed_block_runs_before_the_outer_bac
     )
     outer.weight.register_post_accumulate_grad_hook(lambda p: events.append("outer grad"))
     out = checkpoint(inner, outer(torch.randn(2, 4)))
-    out.register_hook(lambda g: engine.queue_callback(lambda: events.append("callback from output")))
+    out.register_hook(
+        lambda g: engine.queue_callback(lambda: events.append("callback from output"))
+    )
     out.sum().backward()
     assert events == ["callback from inner", "outer grad", "callback from output"]

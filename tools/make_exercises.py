@@ -15,7 +15,10 @@ Each fenced region becomes, at the fence's indentation::
 
 Usage:
     python tools/make_exercises.py          # (re)write exercises/*.ipynb
-    python tools/make_exercises.py --check  # exit 1 if an exercise is stale or a notebook holds outputs
+    python tools/make_exercises.py --check  # exit 1: an exercise is stale or a notebook has outputs
+
+``--check`` also holds every code cell line of notebooks/, solutions/ and exercises/ to the
+line length ruff holds the package to (MAX_LINE), so a cell never runs off the page.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ NOTEBOOK_DIRS = ("notebooks", "solutions", "exercises")
 BEGIN = re.compile(r"^(?P<indent>\s*)### BEGIN SOLUTION\s*(?P<hint>.*)$")
 END = re.compile(r"^\s*### END SOLUTION\s*$")
 KEEP_OUTPUT_TAG = "keep_output"
+MAX_LINE = 100  # the same limit as [tool.ruff] line-length in pyproject.toml
 
 
 class FenceError(ValueError):
@@ -51,7 +55,9 @@ def strip_solutions(source: str, where: str) -> str:
             inside = True
             indent, hint = begin["indent"], begin["hint"].strip()
             out.append(f"{indent}# YOUR CODE HERE" + (f" {hint}" if hint else ""))
-            out.append(f'{indent}raise NotImplementedError("exercise: replace this line with your code")')
+            out.append(
+                f'{indent}raise NotImplementedError("exercise: replace this line with your code")'
+            )
         elif end:
             if not inside:
                 raise FenceError(f"{where}, line {number}: END SOLUTION without BEGIN")
@@ -80,10 +86,13 @@ def exercise_from_solution(path: Path) -> str:
             cell.source = strip_solutions(cell.source, f"{path.name} cell {i}")
             fenced += 1
     if fenced == 0:
-        raise FenceError(f"{path.name}: no ### BEGIN SOLUTION region, so the exercise would be the solution")
+        raise FenceError(
+            f"{path.name}: no ### BEGIN SOLUTION region, so the exercise would be the solution"
+        )
     banner = nbformat.v4.new_markdown_cell(
         f"*Exercise generated from `solutions/{path.name}` by `tools/make_exercises.py`: "
-        "fill in each `# YOUR CODE HERE`, then run the check cell. Stuck? The solution notebook has the answer.*"
+        "fill in each `# YOUR CODE HERE`, then run the check cell. "
+        "Stuck? The solution notebook has the answer.*"
     )
     banner["id"] = "generated-banner"
     nb.cells.insert(0, banner)
@@ -103,8 +112,25 @@ def notebooks_with_outputs() -> list[str]:
     return found
 
 
+def long_code_lines(paths: list[Path], limit: int = MAX_LINE) -> list[str]:
+    """Every code cell line longer than ``limit`` characters, as ``file cell i, line n (len)``."""
+    found = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            for number, line in enumerate(cell.source.splitlines(), 1):
+                if len(line) > limit:
+                    where = f"{path.parent.name}/{path.name} cell {i}, line {number}"
+                    found.append(f"{where} has {len(line)} characters (at most {limit})")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="verify instead of writing")
     args = parser.parse_args(argv)
     problems: list[str] = []
@@ -121,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         current = target.read_text() if target.exists() else None
         if current != text:
             if args.check:
-                problems.append(f"exercises/{target.name} is stale: run python tools/make_exercises.py")
+                problems.append(
+                    f"exercises/{target.name} is stale: run python tools/make_exercises.py"
+                )
             else:
                 target.write_text(text)
                 print(f"wrote exercises/{target.name}")
@@ -129,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         if orphan not in expected_names:
             problems.append(f"exercises/{orphan} has no solutions/{orphan}")
     if args.check:
-        problems += [f"{where} holds outputs: clear them before committing" for where in notebooks_with_outputs()]
+        problems += [
+            f"{where} holds outputs: clear them before committing"
+            for where in notebooks_with_outputs()
+        ]
+        notebooks = [p for d in NOTEBOOK_DIRS for p in sorted((ROOT / d).glob("*.ipynb"))]
+        problems += long_code_lines(notebooks)
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     return 1 if problems else 0

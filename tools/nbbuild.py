@@ -21,7 +21,11 @@ HEADER = re.compile(r"^# %%(?P<md>\s*\[markdown\])?(?:\s*tags=(?P<tags>\[.*\]))?
 
 def build(text: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
     nb.metadata["language_info"] = {"name": "python"}
     kind, tags, lines = None, [], []  # type: ignore[var-annotated]
 

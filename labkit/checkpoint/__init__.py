@@ -9,4 +9,11 @@ from labkit.checkpoint.sharded import (
     shard_range,
 )
 
-__all__ = ["Checkpoint", "CheckpointError", "latest_step", "load_checkpoint", "save_checkpoint", "shard_range"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "latest_step",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard_range",
+]

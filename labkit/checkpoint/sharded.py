@@ -33,11 +33,11 @@ whenever ``step_N`` is absent, and the next save renames it back before pruning,
 instant is without the last good checkpoint.
 
 Readers only ever look at ``step_*`` (and orphaned ``.prev-step_*``) folders, so a crash before
-step 3 leaves a ``.tmp-*`` folder that is ignored (and deleted by the next save's prune). Loading checks every file's size and
-sha256 before unpickling, and unpickles with ``weights_only=True`` (tensors and plain
-containers only, never arbitrary code). Every reader hashes every file, which is fine at this
-kit's sizes; at scale each rank would verify only the shards it reads. Assumes a filesystem
-all ranks share.
+step 3 leaves a ``.tmp-*`` folder that is ignored (and deleted by the next save's prune).
+Loading checks every file's size and sha256 before unpickling, and unpickles with
+``weights_only=True`` (tensors and plain containers only, never arbitrary code). Every reader
+hashes every file, which is fine at this kit's sizes; at scale each rank would verify only the
+shards it reads. Assumes a filesystem all ranks share.
 """
 
 from __future__ import annotations
@@ -57,7 +57,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Checkpoint", "CheckpointError", "latest_step", "load_checkpoint", "save_checkpoint", "shard_range"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "latest_step",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard_range",
+]
 
 FORMAT = "labkit-sharded-v1"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -199,9 +206,17 @@ def save_checkpoint(
         start, end = shard_range(t.numel(), rank, world_size)
         # .clone(): save only the slice, not the whole storage the view points into
         slices[key] = t.detach().reshape(-1)[start:end].clone().cpu()
-        table[key] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()}
+        table[key] = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "numel": t.numel(),
+        }
     name = f"shard_{rank:05d}.pt"
-    mine = {name: _write_durable(tmp / name, _to_bytes({"slices": slices, "rank_state": rank_state or {}}))}
+    mine = {
+        name: _write_durable(
+            tmp / name, _to_bytes({"slices": slices, "rank_state": rank_state or {}})
+        )
+    }
     if before_commit is not None:
         before_commit()
 
@@ -215,7 +230,9 @@ def save_checkpoint(
         files = {k: v for part in gathered for k, v in part.items()}
         files["common.pt"] = _write_durable(tmp / "common.pt", _to_bytes({"skeleton": skeleton}))
         for entry in table.values():
-            entry["slices"] = [[r, *shard_range(entry["numel"], r, world_size)] for r in range(world_size)]
+            entry["slices"] = [
+                [r, *shard_range(entry["numel"], r, world_size)] for r in range(world_size)
+            ]
         meta = {"format": FORMAT, "step": step, "world_size": world_size, "time": time.time(),
                 "files": files, "tensors": table}  # fmt: skip
         _write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
@@ -255,7 +272,9 @@ class Checkpoint:
         except ValueError as exc:
             raise CheckpointError(f"metadata file {meta_file} is not valid JSON: {exc}") from exc
         if self.meta.get("format") != FORMAT:
-            raise CheckpointError(f"{meta_file}: unknown format {self.meta.get('format')!r}, expected {FORMAT!r}")
+            raise CheckpointError(
+                f"{meta_file}: unknown format {self.meta.get('format')!r}, expected {FORMAT!r}"
+            )
         self.step: int = self.meta["step"]
         self.world_size: int = self.meta["world_size"]
         self._cache: dict[str, Any] = {}
@@ -270,7 +289,10 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint file is missing: {file}")
         data = file.read_bytes()
         if len(data) != expected["bytes"]:
-            raise CheckpointError(f"checkpoint file is truncated: {file} has {len(data)} bytes, expected {expected['bytes']}")
+            raise CheckpointError(
+                f"checkpoint file is truncated: {file} has {len(data)} bytes, "
+                f"expected {expected['bytes']}"
+            )
         if hashlib.sha256(data).hexdigest() != expected["sha256"]:
             raise CheckpointError(f"checkpoint file is corrupt (sha256 mismatch): {file}")
         if verify_only:

@@ -92,7 +92,9 @@ def check_overlapped_ddp(cls: type) -> None:
     from labkit.ddp import equivalence as eq
 
     if not (isinstance(cls, type) and issubclass(cls, DataParallel)):
-        raise CheckFailed(f"pass the class itself, a subclass of labkit.ddp.BucketedDDP; got {cls!r}")
+        raise CheckFailed(
+            f"pass the class itself, a subclass of labkit.ddp.BucketedDDP; got {cls!r}"
+        )
     try:
         results = launch_check(_run_learner, cls, world_size=WORLD_SIZE, timeout=60, quiet=True)
     except JobTimeoutError:
@@ -112,8 +114,9 @@ def check_overlapped_ddp(cls: type) -> None:
     backward = [e for e in events if e[0] == "backward"]
     if not backward or not comm or not comm[0][1] < backward[0][2]:
         raise CheckFailed(
-            "the results are right but nothing overlaps: the first all-reduce started after backward "
-            "ended. Launch a bucket from the gradient hook as soon as its last gradient is ready."
+            "the results are right but nothing overlaps: the first all-reduce started after "
+            "backward ended. Launch a bucket from the gradient hook as soon as its last "
+            "gradient is ready."
         )
     started = sum(kind == "start" for kind, _ in results[0]["order"])
     if started != results[0]["buckets"] or len(comm) != started:

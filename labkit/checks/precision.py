@@ -77,7 +77,9 @@ def check_update_rule(update_scale: UpdateRule) -> None:
                 backoff_factor=case.backoff_factor, growth_interval=case.growth_interval,
             )  # fmt: skip
             if not (isinstance(got, tuple) and len(got) == 2):
-                raise CheckFailed(f"update_scale must return a tuple (scale, growth_tracker), got {got!r}")
+                raise CheckFailed(
+                    f"update_scale must return a tuple (scale, growth_tracker), got {got!r}"
+                )
             got_scale, got_tracker = float(got[0]), int(got[1])
             line = (
                 f"  step {step:2d}: {'OVERFLOW' if found_inf else 'ok      '}  "
@@ -88,12 +90,18 @@ def check_update_rule(update_scale: UpdateRule) -> None:
             if got_scale != want_scale or got_tracker != want_tracker:
                 what = "scale" if got_scale != want_scale else "growth tracker"
                 raise CheckFailed(
-                    f"case '{case.name}' (init_scale={case.init_scale:g}, growth_factor={case.growth_factor}, "
-                    f"backoff_factor={case.backoff_factor}, growth_interval={case.growth_interval}): "
+                    f"case '{case.name}' (init_scale={case.init_scale:g}, "
+                    f"growth_factor={case.growth_factor}, "
+                    f"backoff_factor={case.backoff_factor}, "
+                    f"growth_interval={case.growth_interval}): "
                     f"your {what} first differs from GradScaler's at step {step}, "
                     f"which {'overflowed' if found_inf else 'had finite gradients'}.\n"
-                    f"Input to that step: scale={scale:g}, growth_tracker={tracker}.\n" + "\n".join(history[-6:])
+                    f"Input to that step: scale={scale:g}, growth_tracker={tracker}.\n"
+                    + "\n".join(history[-6:])
                 )
             scale, tracker = got_scale, got_tracker
     steps = sum(c.steps for c in CASES)
-    passed(f"your update rule follows torch.amp.GradScaler on {len(CASES)} runs ({steps} steps, with injected overflows)")
+    passed(
+        f"your update rule follows torch.amp.GradScaler on {len(CASES)} runs "
+        f"({steps} steps, with injected overflows)"
+    )

@@ -20,5 +20,8 @@ def check_gather_ranks(gather_ranks: Callable[[], torch.Tensor], world_size: int
     for rank, got in enumerate(results):
         problem = compare(expected, got, what=f"rank {rank}'s result")
         if problem:
-            raise CheckFailed(f"{problem}. Every rank should hold the ids of all {world_size} ranks, in rank order.")
+            raise CheckFailed(
+                f"{problem}. Every rank should hold the ids of all {world_size} ranks, "
+                "in rank order."
+            )
     passed(f"all {world_size} ranks hold {expected.tolist()}")

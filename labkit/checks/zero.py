@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from labkit.checks.core import CheckFailed, compare, launch_check, passed
+from labkit.reference import first_mismatch, snapshot, train_reference
 
 __all__ = ["check_zero1"]
 
@@ -59,33 +60,26 @@ def _run_learner(zero1_step: Callable[..., Any]) -> list[dict[str, torch.Tensor]
     history = []
     for step in range(1, STEPS + 1):
         x, y = _batch(step)
-        nn.functional.mse_loss(model(x.chunk(n)[rank]), y.chunk(n)[rank]).backward()
+        _loss(model, x.chunk(n)[rank], y.chunk(n)[rank]).backward()
         grads = flatten_into(torch.zeros(layout.padded), layout, [p.grad for p in params])
         grad_shard = torch.zeros(layout.shard_size)
         dist.reduce_scatter_single(grad_shard, grads)
         grad_shard /= n
         zero1_step(flat, grad_shard, exp_avg, exp_avg_sq, step, AdamConfig(lr=LR))
         model.zero_grad(set_to_none=True)
-        history.append({name: p.detach().clone() for name, p in zip(names, params)})
+        history.append(snapshot(zip(names, params)))
     return history
 
 
 def _reference() -> list[dict[str, torch.Tensor]]:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    history = []
-    for step in range(1, STEPS + 1):
-        x, y = _batch(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        history.append({name: p.detach().clone() for name, p in model.named_parameters()})
-    return history
+    steps = [[_batch(step)] for step in range(1, STEPS + 1)]  # one micro-batch per step
+    return train_reference(model, opt, steps, _loss).params
 
 
-def _first_difference(want: torch.Tensor, got: torch.Tensor) -> int:
-    bad = ((got - want).abs() > 1e-6 + 1e-5 * want.abs()).flatten().nonzero()
-    return int(bad[0]) if bad.numel() else -1
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x), y)
 
 
 def _hint(rank: int, owner: int, owner_also_wrong: bool) -> str:
@@ -117,20 +111,35 @@ def check_zero1(zero1_step: Callable[..., Any]) -> None:
     for step in range(STEPS):
         for i, name in enumerate(names):
             for rank, history in enumerate(per_rank):
-                problem = compare(reference[step][name], history[step][name], what=f"'{name}' on rank {rank}", atol=1e-6, rtol=1e-5)
+                problem = compare(
+                    reference[step][name],
+                    history[step][name],
+                    what=f"'{name}' on rank {rank}",
+                    atol=1e-6,
+                    rtol=1e-5,
+                )
                 if problem is not None:
                     want, got = reference[step][name], history[step][name]
-                    element = _first_difference(want, got) if got.shape == want.shape else -1
+                    miss = first_mismatch(want, got) if isinstance(got, torch.Tensor) else None
                     owner, owner_wrong = rank, True
-                    if element >= 0:  # whose shard holds it, and is it right there?
-                        owner = next(pc.rank for pc in layout.owners(i) if pc.param_start <= element < pc.param_start + pc.length)
+                    if miss is not None and got.shape == want.shape:  # whose shard holds it?
+                        element = miss[0]
+                        owner = next(
+                            pc.rank
+                            for pc in layout.owners(i)
+                            if pc.param_start <= element < pc.param_start + pc.length
+                        )
                         at_owner = per_rank[owner][step][name].flatten()[element : element + 1]
-                        owner_wrong = compare(want.flatten()[element : element + 1], at_owner, what=name) is not None
+                        owner_wrong = (
+                            compare(want.flatten()[element : element + 1], at_owner, what=name)
+                            is not None
+                        )
                     raise CheckFailed(
                         f"after step {step + 1}, the first diverging parameter is {problem}.\n"
                         f"{_hint(rank, owner, owner_wrong)}"
                     )
     passed(
-        f"ZeRO-1 on {WORLD_SIZE} ranks matches torch.optim.AdamW on the full batch for {STEPS} steps "
-        f"({len(names)} parameters, a flat buffer of {layout.total} + {layout.padded - layout.total} padding)."
+        f"ZeRO-1 on {WORLD_SIZE} ranks matches torch.optim.AdamW on the full batch "
+        f"for {STEPS} steps ({len(names)} parameters, a flat buffer of {layout.total} "
+        f"+ {layout.padded - layout.total} padding)."
     )

@@ -55,6 +55,8 @@ __all__ = [
     "op_name",
     "post",
     "validate",
+    "validate_in_place",
+    "validate_sharded",
 ]
 
 SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN)
@@ -306,3 +308,41 @@ def validate(
     if problem is not None:  # this rank's own reason, rather than "rank r rejected"
         raise ValueError(problem)
     pool.validated.add(key)
+
+
+def validate_sharded(
+    what: str,
+    group: ProcessGroup | None,
+    tensors: dict[str, torch.Tensor],
+    full: str,
+    shard: str,
+    *,
+    op: object | None = None,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+) -> None:
+    """:func:`validate` for a reduce-scatter or an all-gather: ``tensors[shard]`` must hold
+    exactly chunk ``rank`` of ``tensors[full]`` (:func:`chunk_sizes`), and every rank must
+    agree on the full size."""
+    rank, p = group_rank_and_size(group)
+    n = tensors[full].numel()
+    expected = {shard: chunk_sizes(n, p)[rank]}
+    fields = {f"numel of {full}": n}
+    validate(what, group, tensors, fields, op=op, check=check, pool=pool, expected_numel=expected)
+
+
+def validate_in_place(
+    what: str,
+    group: ProcessGroup | None,
+    tensor: torch.Tensor,
+    *,
+    op: object | None = None,
+    problem: str | None = None,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+    **fields: int,
+) -> None:
+    """:func:`validate` for a collective on one tensor in place (all-reduce, broadcast): its
+    numel, plus ``fields`` (a root, a source), must agree on every rank."""
+    sizes = {"numel": tensor.numel(), **fields}
+    validate(what, group, {"tensor": tensor}, sizes, op=op, problem=problem, check=check, pool=pool)

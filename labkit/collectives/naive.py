@@ -27,7 +27,7 @@ from labkit.collectives.common import (
     combine_,
     global_rank,
     group_rank_and_size,
-    validate,
+    validate_in_place,
 )
 
 __all__ = ["naive_all_reduce"]
@@ -49,9 +49,10 @@ def naive_all_reduce(
     """
     rank, p = group_rank_and_size(group)
     bad_root = f"naive_all_reduce: root must be a rank of the group (0..{p - 1}), got {root}"
-    validate("naive_all_reduce", group, {"tensor": tensor},
-             {"numel": tensor.numel(), "root": root}, op=op,
-             problem=None if 0 <= root < p else bad_root, check=check, pool=pool)
+    problem = None if 0 <= root < p else bad_root
+    validate_in_place(
+        "naive_all_reduce", group, tensor, root=root, op=op, problem=problem, check=check, pool=pool
+    )
     if p == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)

@@ -24,7 +24,13 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
-from labkit.collectives.common import accum_dtype, chunk_sizes, combine_, exchange, validate
+from labkit.collectives.common import (
+    accum_dtype,
+    combine_,
+    exchange,
+    validate_in_place,
+    validate_sharded,
+)
 from labkit.parallel.layout import global_rank, group_rank_and_size
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "Trace"]
@@ -38,15 +44,21 @@ def _neighbours(group: ProcessGroup | None) -> tuple[int, int, int, int]:
     return rank, p, global_rank(group, (rank + 1) % p), global_rank(group, (rank - 1) % p)
 
 
-def ring_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
-                        op: object = ReduceOp.SUM, group: ProcessGroup | None = None, *,
-                        check: bool = True, trace: Trace | None = None) -> torch.Tensor:
+def ring_reduce_scatter(
+    output_shard: torch.Tensor,
+    input_full: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    trace: Trace | None = None,
+) -> torch.Tensor:
     """``output_shard`` <- chunk ``rank`` of ``input_full`` reduced over ``group``."""
     rank, p, right, left = _neighbours(group)
-    n = input_full.numel()
-    validate("ring_reduce_scatter", group, {"output_shard": output_shard, "input_full": input_full},
-             {"numel of input_full": n}, op=op, check=check,
-             expected_numel={"output_shard": chunk_sizes(n, p)[rank]})
+    tensors = {"output_shard": output_shard, "input_full": input_full}
+    validate_sharded(
+        "ring_reduce_scatter", group, tensors, "input_full", "output_shard", op=op, check=check
+    )
     chunks = input_full.reshape(-1).tensor_split(p)  # p views, chunk c = what rank c will own
     partial = chunks[(rank - 1) % p].to(accum_dtype(input_full.dtype), copy=True)
     for step in range(p - 1):
@@ -62,15 +74,18 @@ def ring_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
     return output_shard
 
 
-def ring_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
-                    group: ProcessGroup | None = None, *, check: bool = True,
-                    trace: Trace | None = None) -> torch.Tensor:
+def ring_all_gather(
+    output_full: torch.Tensor,
+    input_shard: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    trace: Trace | None = None,
+) -> torch.Tensor:
     """``output_full`` <- every rank's ``input_shard``, end to end (the inverse of the above)."""
     rank, p, right, left = _neighbours(group)
-    n = output_full.numel()
-    validate("ring_all_gather", group, {"output_full": output_full, "input_shard": input_shard},
-             {"numel of output_full": n}, check=check,
-             expected_numel={"input_shard": chunk_sizes(n, p)[rank]})
+    tensors = {"output_full": output_full, "input_shard": input_shard}
+    validate_sharded("ring_all_gather", group, tensors, "output_full", "input_shard", check=check)
     chunks = output_full.view(-1).tensor_split(p)  # views: receiving into them fills the output
     if chunks[rank].data_ptr() != input_shard.data_ptr():  # not already in place
         chunks[rank].copy_(input_shard.view(-1))
@@ -82,13 +97,17 @@ def ring_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
     return output_full
 
 
-def ring_all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM,
-                    group: ProcessGroup | None = None, *, check: bool = True,
-                    trace: Trace | None = None) -> torch.Tensor:
+def ring_all_reduce(
+    tensor: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    trace: Trace | None = None,
+) -> torch.Tensor:
     """``tensor`` <- reduced over ``group``, in place: reduce-scatter into my chunk, all-gather."""
     rank, p, _, _ = _neighbours(group)
-    validate("ring_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()}, op=op,
-             check=check)
+    validate_in_place("ring_all_reduce", group, tensor, op=op, check=check)
     mine = tensor.view(-1).tensor_split(p)[rank]  # my chunk is read at the last step only
     ring_reduce_scatter(mine, tensor, op, group, check=False, trace=trace)
     return ring_all_gather(tensor, mine, group, check=False, trace=trace)

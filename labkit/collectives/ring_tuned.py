@@ -38,7 +38,8 @@ from labkit.collectives.common import (
     global_rank,
     group_rank_and_size,
     post,
-    validate,
+    validate_in_place,
+    validate_sharded,
 )
 from labkit.collectives.ring import ring_all_gather
 
@@ -114,16 +115,30 @@ def _reduce_scatter(
         send = recv
 
 
-def tuned_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
-                         op: object = ReduceOp.SUM, group: ProcessGroup | None = None, *,
-                         check: bool = True, pool: BufferPool = DEFAULT_POOL,
-                         block: int = BLOCK_BYTES) -> torch.Tensor:
+def tuned_reduce_scatter(
+    output_shard: torch.Tensor,
+    input_full: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+    block: int = BLOCK_BYTES,
+) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_reduce_scatter`."""
+    tensors = {"output_shard": output_shard, "input_full": input_full}
+    validate_sharded(
+        "ring_reduce_scatter",
+        group,
+        tensors,
+        "input_full",
+        "output_shard",
+        op=op,
+        check=check,
+        pool=pool,
+    )
     ring = _Ring(input_full.numel(), input_full.element_size(), group, block)
     n = input_full.numel()
-    validate("ring_reduce_scatter", group,
-             {"output_shard": output_shard, "input_full": input_full}, {"numel of input_full": n},
-             op=op, check=check, pool=pool, expected_numel={"output_shard": ring.size[ring.rank]})
     if ring.p == 1:
         output_shard.view(-1).copy_(input_full.view(-1))
     elif n > 0:
@@ -131,26 +146,38 @@ def tuned_reduce_scatter(output_shard: torch.Tensor, input_full: torch.Tensor,
     return output_shard
 
 
-def tuned_all_gather(output_full: torch.Tensor, input_shard: torch.Tensor,
-                     group: ProcessGroup | None = None, *, check: bool = True,
-                     pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
+def tuned_all_gather(
+    output_full: torch.Tensor,
+    input_shard: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+    block: int = BLOCK_BYTES,
+) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_all_gather`, which it runs: the
     readable all-gather already moves each chunk once, straight into the output, with no
-    arithmetic to overlap (``pool`` and ``block`` are accepted for a uniform signature)."""
-    ring = _Ring(output_full.numel(), output_full.element_size(), group, block)
-    validate("ring_all_gather", group, {"output_full": output_full, "input_shard": input_shard},
-             {"numel of output_full": output_full.numel()}, check=check, pool=pool,
-             expected_numel={"input_shard": ring.size[ring.rank]})
+    arithmetic to overlap (``block`` is accepted for a uniform signature; ``pool`` keeps the
+    record of validated calls, as for the other two)."""
+    tensors = {"output_full": output_full, "input_shard": input_shard}
+    validate_sharded(
+        "ring_all_gather", group, tensors, "output_full", "input_shard", check=check, pool=pool
+    )
     return ring_all_gather(output_full, input_shard, group, check=False)
 
 
-def tuned_all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM,
-                     group: ProcessGroup | None = None, *, check: bool = True,
-                     pool: BufferPool = DEFAULT_POOL, block: int = BLOCK_BYTES) -> torch.Tensor:
+def tuned_all_reduce(
+    tensor: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+    block: int = BLOCK_BYTES,
+) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`."""
     ring = _Ring(tensor.numel(), tensor.element_size(), group, block)
-    validate("ring_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()}, op=op,
-             check=check, pool=pool)
+    validate_in_place("ring_all_reduce", group, tensor, op=op, check=check, pool=pool)
     if ring.p == 1 or tensor.numel() == 0:
         return tensor
     mine = ring.chunk(tensor.view(-1), ring.rank)

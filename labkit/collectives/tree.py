@@ -40,7 +40,7 @@ from labkit.collectives.common import (
     exchange,
     global_rank,
     group_rank_and_size,
-    validate,
+    validate_in_place,
 )
 
 __all__ = ["recursive_doubling_all_reduce", "broadcast"]
@@ -87,8 +87,7 @@ def recursive_doubling_all_reduce(
     of any shape (0-d and empty included), SUM/AVG/MAX/MIN, 16-bit floats reduced in float32
     and rounded once. ``check=True``: :func:`~labkit.collectives.common.validate` first.
     """
-    validate("recursive_doubling_all_reduce", group, {"tensor": tensor}, {"numel": tensor.numel()},
-             op=op, check=check, pool=pool)
+    validate_in_place("recursive_doubling_all_reduce", group, tensor, op=op, check=check, pool=pool)
     _, p = group_rank_and_size(group)
     flat = tensor.view(-1)
     acc = accum_dtype(tensor.dtype)
@@ -122,8 +121,7 @@ def broadcast(
         if 0 <= src < p
         else f"broadcast: src must be a rank of the group (0..{p - 1}), got {src}"
     )
-    validate("broadcast", group, {"tensor": tensor}, {"numel": tensor.numel(), "src": src},
-             problem=problem, check=check, pool=pool)
+    validate_in_place("broadcast", group, tensor, src=src, problem=problem, check=check, pool=pool)
     if tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)

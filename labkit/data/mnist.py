@@ -81,7 +81,9 @@ def read_idx(path: str | Path, magic: int | None = None) -> np.ndarray:
     dims = struct.unpack(f">{ndim}i", raw[4:header])
     expected = header + int(np.prod(dims))
     if len(raw) != expected:
-        raise IdxError(f"{path}: {len(raw)} bytes but its header {dims} implies {expected} (truncated?)")
+        raise IdxError(
+            f"{path}: {len(raw)} bytes but its header {dims} implies {expected} (truncated?)"
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
 
 
@@ -89,17 +91,23 @@ def _find(root: Path, stem: str) -> Path:
     for name in (stem + ".gz", stem):
         if (root / name).is_file():
             return root / name
-    raise FileNotFoundError(f"MNIST file not found: {root / stem}(.gz) -- pass root= a folder with the IDX files")
+    raise FileNotFoundError(
+        f"MNIST file not found: {root / stem}(.gz) -- pass root= a folder with the IDX files"
+    )
 
 
-def load_pair(images_path: str | Path, labels_path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+def load_pair(
+    images_path: str | Path, labels_path: str | Path
+) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 images ``(N, 28, 28)`` and int64 labels ``(N,)``, validated against each other."""
     images = read_idx(images_path, IMAGES_MAGIC)
     labels = read_idx(labels_path, LABELS_MAGIC)
     if images.ndim != 3 or images.shape[1:] != (28, 28):
         raise IdxError(f"{images_path}: images of shape {images.shape}, expected (N, 28, 28)")
     if labels.ndim != 1 or len(labels) != len(images):
-        raise IdxError(f"{labels_path}: {labels.shape} labels for {len(images)} images in {images_path}")
+        raise IdxError(
+            f"{labels_path}: {labels.shape} labels for {len(images)} images in {images_path}"
+        )
     if labels.size and labels.max() > 9:
         raise IdxError(f"{labels_path}: label {int(labels.max())} outside 0-9")
     return torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
@@ -118,14 +126,17 @@ class MNIST(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     60k training set and the 10k test set as validation. ``limit`` keeps the first N items.
     """
 
-    def __init__(self, split: str = "train", root: str | Path | None = None, limit: int | None = None):
+    def __init__(
+        self, split: str = "train", root: str | Path | None = None, limit: int | None = None
+    ):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         if root is None:
             images, labels = load_pair(
-                shipped("mnist/t10k-images-idx3-ubyte.gz"), shipped("mnist/t10k-labels-idx1-ubyte.gz")
+                shipped("mnist/t10k-images-idx3-ubyte.gz"),
+                shipped("mnist/t10k-labels-idx1-ubyte.gz"),
             )
             part = slice(0, OFFLINE_TRAIN) if split == "train" else slice(OFFLINE_TRAIN, None)
             images, labels = images[part], labels[part]
@@ -156,7 +167,8 @@ def download(dest: str | Path, mirror: str = MIRROR) -> Path:
 
     Each file is validated with :func:`read_idx` (magic, shape, length: 60,000 train and
     10,000 test items) before it is kept, so a broken transfer fails here, naming the file.
-    Files already present and valid are not fetched again. Returns ``dest`` for ``MNIST(root=dest)``.
+    Files already present and valid are not fetched again. Returns ``dest`` for
+    ``MNIST(root=dest)``.
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 def shard_indices(
-    n: int, rank: int, world_size: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True, drop_last: bool = False
+    n: int,
+    rank: int,
+    world_size: int,
+    *,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = False,
 ) -> list[int]:
     """The dataset indices rank ``rank`` visits in epoch ``epoch`` (see the module docstring)."""
     if world_size < 1:
@@ -78,8 +85,13 @@ class DistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(
             shard_indices(
-                self.n, self.rank, self.world_size,
-                epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
+                self.n,
+                self.rank,
+                self.world_size,
+                epoch=self.epoch,
+                seed=self.seed,
+                shuffle=self.shuffle,
+                drop_last=self.drop_last,
             )
         )
 

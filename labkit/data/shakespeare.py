@@ -30,7 +30,9 @@ class CharDataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
         cut = int(0.9 * len(ids))
         self.ids = ids[:cut] if split == "train" else ids[cut:]
         if len(self.ids) <= block_size:
-            raise ValueError(f"text of {len(self.ids)} characters is too short for block_size={block_size}")
+            raise ValueError(
+                f"text of {len(self.ids)} characters is too short for block_size={block_size}"
+            )
         self.block_size = block_size
 
     @property

@@ -1,18 +1,14 @@
-"""The proof harness: a model with every awkward parameter, and the two training loops to compare.
+"""The DDP proof: :class:`~labkit.reference.AwkwardNet` trained on ranks and in one process.
 
 The spec every DDP variant must meet: trained ``steps`` optimizer steps on ``world_size``
 ranks, each rank seeing ``1 / world_size`` of every micro-batch, the parameters after
 *every* step equal those of single-process training on the full micro-batches (up to
 float summation order), and are bit-identical across ranks.
 
-:class:`AwkwardNet` packs the cases that break naive implementations:
-
-* ``frozen.weight`` has ``requires_grad=False`` (must never change, must still be broadcast);
-* ``tied.weight`` is one Parameter applied twice (its two gradients are summed by autograd;
-  it must be reduced once);
-* ``extra`` runs only on the samples flagged by ``mask``: in some steps no rank uses it
-  (its ``grad`` must stay None: SGD's momentum and weight decay would move it otherwise),
-  in others only rank 0 does (the other ranks must still join the collective).
+:class:`AwkwardNet` (in :mod:`labkit.reference`, the one harness every proof shares) packs the
+cases that break naive implementations: a frozen weight, a tied weight used twice, and a layer
+``extra`` that in some steps no rank uses (its ``grad`` must stay None: SGD's momentum and
+weight decay would move it otherwise) and in others only rank 0 does.
 
 Ranks build their model from *different* seeds, so only the broadcast from rank 0 makes them
 agree. The optimizer is SGD with momentum and weight decay for the reason above.
@@ -29,26 +25,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-Snapshot = dict[str, torch.Tensor]
+from labkit.reference import AwkwardNet, Snapshot, first_divergence, snapshot
+from labkit.reference import train_reference as _reference_loop
 
-
-class AwkwardNet(nn.Module):
-    def __init__(self, d_in: int = 8, d: int = 16, classes: int = 4):
-        super().__init__()
-        self.inp = nn.Linear(d_in, d)
-        self.frozen = nn.Linear(d, d)
-        self.frozen.weight.requires_grad_(False)
-        self.tied = nn.Linear(d, d, bias=False)
-        self.extra = nn.Linear(d, d)
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.frozen(torch.relu(self.inp(x))))  # (B, d)
-        h = self.tied(torch.relu(self.tied(h)))  # the same weight, used twice
-        idx = mask.nonzero().flatten()  # (n_flagged,)
-        if idx.numel() > 0:  # data-dependent: no graph through `extra` when nobody is flagged
-            h = h.index_add(0, idx, self.extra(h[idx]))
-        return self.head(h)  # (B, classes)
+__all__ = [
+    "AwkwardNet",
+    "Snapshot",
+    "first_divergence",
+    "make_batches",
+    "train_distributed",
+    "train_many",
+    "train_reference",
+    "trainable_numel",
+]
 
 
 def make_batches(
@@ -80,24 +69,20 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
-def _snapshot(model: nn.Module) -> Snapshot:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def train_reference(steps: int = 4, accum: int = 1, batch: int = 12, seed: int = 0) -> list[Snapshot]:
+def train_reference(
+    steps: int = 4, accum: int = 1, batch: int = 12, seed: int = 0
+) -> list[Snapshot]:
     """Single-process training on the full micro-batches; parameters after each step."""
     torch.manual_seed(seed)
     model = AwkwardNet()
-    opt = _optimizer(model)
     batches = make_batches(steps, accum, batch, seed)
-    snaps = []
-    for s in range(steps):
-        for x, y, mask in batches[s * accum : (s + 1) * accum]:
-            (F.cross_entropy(model(x, mask), y) / accum).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        snaps.append(_snapshot(model))
-    return snaps
+    per_step = [batches[s * accum : (s + 1) * accum] for s in range(steps)]
+    trace = _reference_loop(model, _optimizer(model), per_step, _loss)
+    return trace.params
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x, mask), y)
 
 
 def train_distributed(
@@ -138,28 +123,8 @@ def train_distributed(
             reduced.append(int(model.elements_reduced))  # type: ignore[arg-type]
         opt.step()
         opt.zero_grad(set_to_none=True)
-        snaps.append(_snapshot(inner))
+        snaps.append(snapshot(inner.named_parameters()))
     return snaps, reduced
-
-
-def first_divergence(
-    expected: list[Snapshot], got: list[Snapshot], atol: float = 1e-5, rtol: float = 1e-4
-) -> str | None:
-    """None if every parameter matches after every step, else a sentence naming the first miss."""
-    if len(got) != len(expected):
-        return f"expected {len(expected)} steps of parameters, got {len(got)}"
-    for step, (exp, out) in enumerate(zip(expected, got)):
-        for name, e in exp.items():
-            g = out.get(name)
-            if g is None:
-                return f"step {step}: parameter {name!r} is missing"
-            if not torch.allclose(g, e, atol=atol, rtol=rtol):
-                i = int((g - e).abs().flatten().argmax())
-                return (
-                    f"after step {step + 1}, parameter {name!r} diverges first: element {i} is "
-                    f"{g.flatten()[i].item():.6g}, single-process training gives {e.flatten()[i].item():.6g}"
-                )
-    return None
 
 
 def trainable_numel() -> int:
@@ -168,7 +133,14 @@ def trainable_numel() -> int:
 
 
 def train_many(
-    wraps: dict[str, Callable[[nn.Module], nn.Module]], steps: int = 4, accum: int = 1, group: Any = None
+    wraps: dict[str, Callable[[nn.Module], nn.Module]],
+    steps: int = 4,
+    accum: int = 1,
+    group: Any = None,
 ) -> dict[str, list[Snapshot]]:
-    """Run on every rank: :func:`train_distributed` for each wrapper; parameters per step, by name."""
-    return {name: train_distributed(wrap, steps, accum, group=group)[0] for name, wrap in wraps.items()}
+    """Run on every rank: :func:`train_distributed` for each wrapper.
+
+    Returns each wrapper's parameters per step, by name."""
+    return {
+        name: train_distributed(wrap, steps, accum, group=group)[0] for name, wrap in wraps.items()
+    }

@@ -80,7 +80,10 @@ def step_time(wrap: Wrap, workload: str = "mlp", steps: int = 10, warmup: int = 
 
 
 def compare_step_times(
-    wraps: dict[str, Wrap], workloads: tuple[str, ...] = ("cnn", "mlp"), steps: int = 10, warmup: int = 3
+    wraps: dict[str, Wrap],
+    workloads: tuple[str, ...] = ("cnn", "mlp"),
+    steps: int = 10,
+    warmup: int = 3,
 ) -> dict[tuple[str, str], float]:
     """Run on every rank: ``{(workload, name): median seconds per step}``, slowest rank's.
 

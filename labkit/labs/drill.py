@@ -56,7 +56,8 @@ class DrillConfig:
     n_head: int = 2
     dropout: float = 0.1
     reshardable: bool = False  # per-sample RNG + fixed-order gradient sum (see module doc)
-    overflow_at: tuple[int, ...] = (3,)  # steps whose gradients get an inf: skipped, scale backs off
+    # steps whose gradients get an inf: skipped, the scale backs off
+    overflow_at: tuple[int, ...] = (3,)
     kill_rank: int | None = None
     kill_at_step: int | None = None
     kill_in_save: bool = False  # kill between the shard write and the commit of that step's save
@@ -64,14 +65,23 @@ class DrillConfig:
 
     def validate(self, world_size: int) -> None:
         if self.steps < 1 or self.ckpt_every < 1 or self.keep < 1:
-            raise ValueError(f"steps, ckpt_every, keep must be >= 1, got {self.steps}, {self.ckpt_every}, {self.keep}")
+            raise ValueError(
+                "steps, ckpt_every, keep must be >= 1, "
+                f"got {self.steps}, {self.ckpt_every}, {self.keep}"
+            )
         if self.global_batch % world_size:
-            raise ValueError(f"global_batch={self.global_batch} is not divisible by world_size={world_size}")
+            raise ValueError(
+                f"global_batch={self.global_batch} is not divisible by world_size={world_size}"
+            )
         if self.kill_rank is not None:
             if not 0 <= self.kill_rank < world_size:
-                raise ValueError(f"kill_rank={self.kill_rank} is not a rank of world_size={world_size}")
+                raise ValueError(
+                    f"kill_rank={self.kill_rank} is not a rank of world_size={world_size}"
+                )
             if self.kill_at_step is None or self.kill_marker is None:
-                raise ValueError("kill_rank needs kill_at_step and kill_marker (so the kill happens once)")
+                raise ValueError(
+                    "kill_rank needs kill_at_step and kill_marker (so the kill happens once)"
+                )
             if self.kill_in_save and self.kill_at_step % self.ckpt_every:
                 raise ValueError(f"kill_in_save: no save happens at step {self.kill_at_step}")
 
@@ -107,11 +117,20 @@ def train(cfg: DrillConfig, ckpt_dir: str) -> dict[str, Any]:
     device = local_device()
     data = CharDataset(cfg.block_size, "train")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)).to(device)  # fmt: skip
+    model = GPT(
+        GPTConfig(
+            vocab_size=data.vocab_size,
+            block_size=cfg.block_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+            dropout=cfg.dropout,
+        )
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed))  # the sampler
+    # the sampler
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed))
     torch.manual_seed(cfg.seed * 1000 + 1 + rank)  # dp mode: each rank its own dropout stream
 
     step, resumed_from = 0, None
@@ -129,8 +148,9 @@ def train(cfg: DrillConfig, ckpt_dir: str) -> dict[str, Any]:
                 torch.cuda.set_rng_state(mine["rng_cuda"], device)
         elif not cfg.reshardable:
             raise ValueError(
-                f"checkpoint saved on {ckpt.world_size} ranks, loading on {world_size}: dp mode keeps "
-                "one RNG stream per rank, which cannot be resharded; use reshardable=True"
+                f"checkpoint saved on {ckpt.world_size} ranks, loading on {world_size}: "
+                "dp mode keeps one RNG stream per rank, which cannot be resharded; "
+                "use reshardable=True"
             )
 
     per_rank = cfg.global_batch // world_size
@@ -160,7 +180,8 @@ def train(cfg: DrillConfig, ckpt_dir: str) -> dict[str, Any]:
             local_loss = loss_sum / per_rank
         else:
             xs, ys = zip(*(data[int(batch[pos])] for pos in positions))
-            loss = gpt_loss(model, torch.stack(xs).to(device), torch.stack(ys).to(device))  # (per_rank, T) batch
+            x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)  # (per_rank, T)
+            loss = gpt_loss(model, x, y)
             scaler.scale(loss).backward()
             grad = _flat_grads(model)
             _kill_once(cfg, rank, step, in_save=False)  # mid-step: the peers wait in all_reduce
@@ -179,16 +200,28 @@ def train(cfg: DrillConfig, ckpt_dir: str) -> dict[str, Any]:
             rng = {"rng_cpu": torch.get_rng_state()}
             if device.type == "cuda":
                 rng["rng_cuda"] = torch.cuda.get_rng_state(device)
-            state = {"model": model.state_dict(), "optim": opt.state_dict(), "scaler": scaler.state_dict(),
-                     "sampler": {"seed": cfg.seed, "step": step}}  # fmt: skip
-            save_checkpoint(ckpt_dir, step, state, rank_state=rng, keep=cfg.keep,
-                            before_commit=functools.partial(_kill_once, cfg, rank, step, True))  # fmt: skip
+            state = {
+                "model": model.state_dict(),
+                "optim": opt.state_dict(),
+                "scaler": scaler.state_dict(),
+                "sampler": {"seed": cfg.seed, "step": step},
+            }
+            save_checkpoint(
+                ckpt_dir,
+                step,
+                state,
+                rank_state=rng,
+                keep=cfg.keep,
+                before_commit=functools.partial(_kill_once, cfg, rank, step, True),
+            )
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # (P,)
     return {"params": params, "resumed_from": resumed_from, "scaler": scaler.state_dict(),
             "scales": scales, "losses": losses}  # fmt: skip
 
 
-def run_drill(cfg: DrillConfig, ckpt_dir: str | Path, world_size: int = 2, **launch_options: Any) -> list[dict[str, Any]]:
+def run_drill(
+    cfg: DrillConfig, ckpt_dir: str | Path, world_size: int = 2, **launch_options: Any
+) -> list[dict[str, Any]]:
     """Validate, then run :func:`train` on ``world_size`` ranks; per-rank results."""
     cfg.validate(world_size)
     launch_options.setdefault("quiet", True)

@@ -63,7 +63,10 @@ class MnistConfig:
         if not self.epochs > 0:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
         if not self.lr > 0 or self.warmup_steps < 0:
-            raise ValueError(f"need lr > 0 and warmup_steps >= 0, got lr={self.lr}, warmup_steps={self.warmup_steps}")
+            raise ValueError(
+                "need lr > 0 and warmup_steps >= 0, "
+                f"got lr={self.lr}, warmup_steps={self.warmup_steps}"
+            )
         if self.sync not in ("torch_ddp", "none"):
             raise ValueError(f"sync must be 'torch_ddp' or 'none', got {self.sync!r}")
 
@@ -87,7 +90,8 @@ def lr_at(step: int, lr: float, warmup_steps: int) -> float:
 
 def _progress(step: int, total: int, loss: float, rate: float, width: int = 20) -> str:
     done = int(width * step / max(total, 1))
-    return f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  {rate:,.0f} img/s"
+    bar = "#" * done + "." * (width - done)
+    return f"[{bar}] step {step}/{total}  loss {loss:.3f}  {rate:,.0f} img/s"
 
 
 def _max_diff_to_rank0(model: nn.Module, group: Any) -> float:
@@ -100,7 +104,12 @@ def _max_diff_to_rank0(model: nn.Module, group: Any) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, data: MNIST, device: torch.device, rank: int = 0, world_size: int = 1, group: Any = None
+    model: nn.Module,
+    data: MNIST,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    group: Any = None,
 ) -> float:
     """Accuracy on ``data``, each rank scoring the samples ``rank, rank + W, ...`` (no padding)."""
     model.eval()
@@ -138,10 +147,14 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
     model: nn.Module = MnistCNN(channels=cfg.channels).to(device)
     net = model
     if world > 1 and cfg.sync == "torch_ddp":
-        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group)
+        net = DDP(
+            model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group
+        )
     elif world > 1:  # same start, then no communication at all
         for p in model.parameters():
-            dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            dist.broadcast(
+                p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
+            )
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
 
     micro_per_epoch = len(loader)
@@ -158,7 +171,9 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             last = (micro + 1) % cfg.accum == 0
-            sync_ctx = net.no_sync() if (isinstance(net, DDP) and not last) else contextlib.nullcontext()
+            sync_ctx = (
+                net.no_sync() if (isinstance(net, DDP) and not last) else contextlib.nullcontext()
+            )
             with sync_ctx:
                 loss = F.cross_entropy(net(x), y) / cfg.accum
                 loss.backward()
@@ -181,7 +196,11 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
             out["losses"].append(step_loss.item())
             out["lrs"].append(opt.param_groups[0]["lr"])
             step += 1
-            if cfg.progress and rank == 0 and (step % max(1, total_steps // 5) == 0 or step == total_steps):
+            if (
+                cfg.progress
+                and rank == 0
+                and (step % max(1, total_steps // 5) == 0 or step == total_steps)
+            ):
                 recent = out["step_times"][-5:]
                 rate = out["effective_batch"] * len(recent) / max(sum(recent), 1e-9)
                 print(_progress(step, total_steps, out["losses"][-1], rate), flush=True)
@@ -208,8 +227,12 @@ def _train_each(cfgs: list[MnistConfig], group: Any = None) -> list[dict[str, An
     return [train(cfg, group) for cfg in cfgs]
 
 
-def run_many(cfgs: list[MnistConfig], world_size: int = 2, **launch_options: Any) -> list[list[dict[str, Any]]]:
-    """Several short runs in ONE launch (a launch costs ~3 s): ``result[i][rank]`` for ``cfgs[i]``."""
+def run_many(
+    cfgs: list[MnistConfig], world_size: int = 2, **launch_options: Any
+) -> list[list[dict[str, Any]]]:
+    """Several short runs in ONE launch (a launch costs ~3 s).
+
+    Returns ``result[i][rank]`` for ``cfgs[i]``."""
     launch_options.setdefault("timeout", 600)
     per_rank = launch(_train_each, cfgs, world_size=world_size, **launch_options)
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cfgs))]
@@ -230,14 +253,18 @@ def train_here(cfg: MnistConfig, threads: int | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = MnistConfig()
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to launch (ignored under torchrun)")
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="ranks to launch (ignored under torchrun)"
+    )
     for name in ("epochs", "lr"):
         parser.add_argument(f"--{name}", type=float, default=getattr(d, name))
     for name in ("batch_size", "accum", "warmup_steps", "channels", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--train-limit", type=int, default=None)
-    parser.add_argument("--data-root", default=None, help="folder with the full 60k MNIST IDX files")
+    parser.add_argument(
+        "--data-root", default=None, help="folder with the full 60k MNIST IDX files"
+    )
     parser.add_argument("--sync", default=d.sync, choices=["torch_ddp", "none"])
     args = vars(parser.parse_args(argv))
     world_size = args.pop("world_size")

@@ -129,7 +129,9 @@ def describe_machine() -> dict[str, Any]:
 
 
 def choose_backend(world_size: int, backend: str | None = None) -> str:
-    """NCCL with one GPU per rank when enough GPUs exist, gloo otherwise; a forced choice is checked."""
+    """NCCL with one GPU per rank when enough GPUs exist, gloo otherwise.
+
+    A forced choice is checked."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend is None:
         return "nccl" if gpus >= world_size and dist.is_nccl_available() else "gloo"
@@ -137,6 +139,7 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
         raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
     if backend == "nccl" and gpus < world_size:
         raise ValueError(
-            f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) visible"
+            f"backend='nccl' needs one GPU per rank: world_size={world_size} "
+            f"but {gpus} GPU(s) visible"
         )
     return backend

@@ -1,4 +1,6 @@
-"""Measurement has one home: timing harnesses, measured records, fits. Techniques do not time themselves.
+"""Measurement has one home: timing harnesses, measured records, fits.
+
+Techniques do not time themselves.
 
 * ``timing.py``  interleaved step timing with warm-up, medians and spread (min / median / max).
 

@@ -3,9 +3,9 @@
 The executor records, per rank, ``(action, start, end)`` in seconds since the step's barrier.
 :func:`measured` turns all ranks' records into the simulator's ``TimedAction`` list (so the
 same drawing shows both); :func:`fitted_costs` takes the median F, B and W durations (per
-rank's whole share, i.e. times v) and the median transfer latency so the simulator can replay the same schedule at the costs
-this machine actually showed; :func:`measured_bubble` is 1 - busy / makespan, averaged over
-ranks, the simulator's definition.
+rank's whole share, i.e. times v) and the median transfer latency so the simulator can replay
+the same schedule at the costs this machine actually showed; :func:`measured_bubble` is
+1 - busy / makespan, averaged over ranks, the simulator's definition.
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ class Spread:
     n: int
 
     def __str__(self) -> str:
-        return f"{self.median * 1e3:.2f} ms (min {self.min * 1e3:.2f}, max {self.max * 1e3:.2f}, n={self.n})"
+        return (
+            f"{self.median * 1e3:.2f} ms "
+            f"(min {self.min * 1e3:.2f}, max {self.max * 1e3:.2f}, n={self.n})"
+        )
 
 
 def spread(samples: list[float]) -> Spread:

@@ -75,12 +75,16 @@ class ModelStates:
         return self.parameters + self.gradients + self.optimizer_state
 
 
-def model_states(stage: str, psi: float, world_size: int, precision: Precision = MIXED_ADAM) -> ModelStates:
+def model_states(
+    stage: str, psi: float, world_size: int, precision: Precision = MIXED_ADAM
+) -> ModelStates:
     """Bytes per rank for ``stage`` in ``STAGES`` (see the module table)."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
     if world_size < 1 or psi < 0:
-        raise ValueError(f"need world_size >= 1 and psi >= 0, got world_size={world_size}, psi={psi}")
+        raise ValueError(
+            f"need world_size >= 1 and psi >= 0, got world_size={world_size}, psi={psi}"
+        )
     n = world_size
     p, g, k = precision.param_bytes * psi, precision.grad_bytes * psi, precision.optim_bytes * psi
     shard_p = stage == "zero3"
@@ -127,7 +131,9 @@ def activation_bytes_per_layer(
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; expected one of {RECOMPUTE}")
     if tp < 1 or min(seq, batch, hidden, heads) < 1:
-        raise ValueError(f"need positive sizes and tp >= 1, got s={seq} b={batch} h={hidden} a={heads} tp={tp}")
+        raise ValueError(
+            f"need positive sizes and tp >= 1, got s={seq} b={batch} h={hidden} a={heads} tp={tp}"
+        )
     s, b, h, a, t = seq, batch, hidden, heads, tp
     sbh = s * b * h
     if recompute == "full":
@@ -138,7 +144,9 @@ def activation_bytes_per_layer(
     return sbh * (10 + 24 / t + core)
 
 
-def transformer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, layers: int = 1) -> float:
+def transformer_activation_bytes(
+    seq: int, batch: int, hidden: int, heads: int, layers: int = 1
+) -> float:
     """Korthikanti et al. 2022: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer (16-bit, no parallelism).
 
     34 sbh: the layer's 16-bit inputs/outputs of LayerNorms, QKV, projections, GeLU and
@@ -168,12 +176,13 @@ def paper_round(x: float) -> float:
     return float(Decimal(repr(x)).quantize(places, rounding=ROUND_HALF_UP))
 
 
-def zero_table1(psi: float = 7.5e9, k: int = 12, dp: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)) -> dict[int, tuple[float, ...]]:
+def zero_table1(
+    psi: float = 7.5e9, k: int = 12, dp: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
+) -> dict[int, tuple[float, ...]]:
     """Rows of ZeRO Table 1: ``{N: (baseline, P_os, P_os+g, P_os+g+p)}`` in GB (1e9 bytes)."""
     prec = Precision(2, 2, k)
     return {
-        n: tuple(paper_round(model_states(s, psi, n, prec).total / 1e9) for s in STAGES)
-        for n in dp
+        n: tuple(paper_round(model_states(s, psi, n, prec).total / 1e9) for s in STAGES) for n in dp
     }
 
 

@@ -191,7 +191,9 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     # ------------------------------------------------------------------ public API
-    def register(self, tensors: torch.Tensor | Iterable[torch.Tensor | None], category: str) -> None:
+    def register(
+        self, tensors: torch.Tensor | Iterable[torch.Tensor | None], category: str
+    ) -> None:
         """Put the storages of ``tensors`` in ``category`` (tracking them if they are new)."""
         _check_category(category)
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -264,7 +266,11 @@ class MemoryTracker(TorchDispatchMode):
     def ledger(self) -> MemoryLedger:
         with self._lock:
             return MemoryLedger(
-                self.current_bytes, self.peak_bytes, dict(self._current), dict(self._peak), dict(self._at_peak)
+                self.current_bytes,
+                self.peak_bytes,
+                dict(self._current),
+                dict(self._peak),
+                dict(self._at_peak),
             )
 
 
@@ -275,9 +281,15 @@ class CudaMemoryTracker(MemoryTracker):
     library workspaces); the categories still come from the live-storage ledger.
     """
 
-    def __init__(self, device: torch.device | int | None = None, default_category: str = "activations"):
+    def __init__(
+        self, device: torch.device | int | None = None, default_category: str = "activations"
+    ):
         super().__init__(default_category)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device is None
+            else torch.device(device)
+        )
         self._base = 0
 
     def __enter__(self) -> CudaMemoryTracker:

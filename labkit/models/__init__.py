@@ -4,4 +4,14 @@ from labkit.models.cnn import MnistCNN
 from labkit.models.gpt import GPT, PRESETS, GPTConfig, count_params_meta, gpt_loss, lm_loss, preset
 from labkit.models.mlp import MLP
 
-__all__ = ["GPT", "MLP", "PRESETS", "GPTConfig", "MnistCNN", "count_params_meta", "gpt_loss", "lm_loss", "preset"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "PRESETS",
+    "GPTConfig",
+    "MnistCNN",
+    "count_params_meta",
+    "gpt_loss",
+    "lm_loss",
+    "preset",
+]

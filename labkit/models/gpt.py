@@ -49,9 +49,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
-            )
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -82,10 +80,18 @@ GPT2_VOCAB = 50257
 # != 2048 and 2048 / 24 is not an integer, so we use 16 heads of 128 (d_model / d_head).
 PRESETS: dict[str, GPTConfig] = {
     "gpt2": GPTConfig(vocab_size=GPT2_VOCAB, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": GPTConfig(vocab_size=GPT2_VOCAB, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": GPTConfig(vocab_size=GPT2_VOCAB, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": GPTConfig(vocab_size=GPT2_VOCAB, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
-    "gpt2-1.3b": GPTConfig(vocab_size=GPT2_VOCAB, block_size=2048, n_layer=24, n_head=16, n_embd=2048),
+    "gpt2-medium": GPTConfig(
+        vocab_size=GPT2_VOCAB, block_size=1024, n_layer=24, n_head=16, n_embd=1024
+    ),
+    "gpt2-large": GPTConfig(
+        vocab_size=GPT2_VOCAB, block_size=1024, n_layer=36, n_head=20, n_embd=1280
+    ),
+    "gpt2-xl": GPTConfig(
+        vocab_size=GPT2_VOCAB, block_size=1024, n_layer=48, n_head=25, n_embd=1600
+    ),
+    "gpt2-1.3b": GPTConfig(
+        vocab_size=GPT2_VOCAB, block_size=2048, n_layer=24, n_head=16, n_embd=2048
+    ),
     # Tiny shapes the labs run on a laptop CPU (character vocabulary of tiny-shakespeare).
     "tiny": GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64),
     "small-lab": GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=256),
@@ -120,11 +126,13 @@ class CausalSelfAttention(nn.Module):
         heads = self.q.out_features // self.head_dim
         # (B, T, heads * hd) -> (B, heads, T, hd)
         q, k, v = (
-            lin(x).view(B, T, heads, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+            lin(x).view(B, T, heads, self.head_dim).transpose(1, 2)
+            for lin in (self.q, self.k, self.v)
         )
         if self.attention == "sdpa":
             p = self.p_drop if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, h, T, hd)
+            # (B, h, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, h, T, T)
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()

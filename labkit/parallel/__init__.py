@@ -15,4 +15,12 @@ from labkit.parallel.layout import (
     rank_grid,
 )
 
-__all__ = ["compose", "Layout", "ParallelDegrees", "build_layout", "global_rank", "group_rank_and_size", "rank_grid"]
+__all__ = [
+    "compose",
+    "Layout",
+    "ParallelDegrees",
+    "build_layout",
+    "global_rank",
+    "group_rank_and_size",
+    "rank_grid",
+]

@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["Layout", "ParallelDegrees", "build_layout", "global_rank", "group_rank_and_size", "rank_grid"]
+__all__ = [
+    "Layout",
+    "ParallelDegrees",
+    "build_layout",
+    "global_rank",
+    "group_rank_and_size",
+    "rank_grid",
+]
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost to innermost
 
@@ -41,7 +48,10 @@ class ParallelDegrees:
         for name in ("dp", "tp", "pp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"parallel degree {name}={v!r} must be an integer >= 1 (dp={self.dp}, tp={self.tp}, pp={self.pp})")
+                raise ValueError(
+                    f"parallel degree {name}={v!r} must be an integer >= 1 "
+                    f"(dp={self.dp}, tp={self.tp}, pp={self.pp})"
+                )
 
     @property
     def world_size(self) -> int:
@@ -55,7 +65,9 @@ class ParallelDegrees:
                 f"but world_size={world_size}: the product of the degrees must equal the world size"
             )
 
-    def check_model(self, *, hidden: int, heads: int, vocab: int | None = None, layers: int | None = None) -> None:
+    def check_model(
+        self, *, hidden: int, heads: int, vocab: int | None = None, layers: int | None = None
+    ) -> None:
         """Raise unless the model's shape splits evenly: hidden and heads (and the vocabulary,
         for a vocab-parallel embedding) by tp, layers by pp. Names both numbers."""
         if hidden % self.tp:
@@ -64,7 +76,8 @@ class ParallelDegrees:
             raise ValueError(f"head count {heads} is not divisible by tp={self.tp}")
         if vocab is not None and vocab % self.tp:
             raise ValueError(
-                f"vocabulary {vocab} is not divisible by tp={self.tp} (pad it, e.g. to {-(-vocab // self.tp) * self.tp})"
+                f"vocabulary {vocab} is not divisible by tp={self.tp} "
+                f"(pad it, e.g. to {-(-vocab // self.tp) * self.tp})"
             )
         if layers is not None and layers < self.pp:
             raise ValueError(f"{layers} layers cannot fill pp={self.pp} pipeline stages")
@@ -116,7 +129,9 @@ def build_layout(degrees: ParallelDegrees, device_type: str | None = None) -> La
     degrees.check_world_size(dist.get_world_size())
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (degrees.pp, degrees.dp, degrees.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(
+        device_type, (degrees.pp, degrees.dp, degrees.tp), mesh_dim_names=MESH_DIMS
+    )
     return Layout(
         degrees=degrees,
         mesh=mesh,

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit.models.gpt import GPT, GPTConfig
+from labkit.models.gpt import GPT, GPTConfig, lm_loss
 from labkit.pipeline.actions import Schedule
-from labkit.pipeline.executor import embedding_group, pipeline_step, reference_grads
+from labkit.pipeline.executor import embedding_group, pipeline_step
 from labkit.pipeline.stages import build_stages
+from labkit.reference import grad_snapshot, snapshot
+from labkit.reference import train_reference as _reference_loop
 
 __all__ = ["PipeCase", "micro_batches", "train_pipeline", "train_reference"]
 
@@ -54,29 +56,15 @@ def _model(case: PipeCase) -> GPT:
     return model
 
 
-def _snapshot(named: Any, grads: bool) -> dict[str, torch.Tensor | None]:
-    out = {}
-    for name, prm in named:
-        t = prm.grad if grads else prm
-        out[name] = None if t is None else t.detach().clone()
-    return out
-
-
 def train_reference(case: PipeCase) -> dict[str, Any]:
     """Single process: accumulate the m micro-batches' gradients, one SGD step, ``steps`` times."""
     model = _model(case)
     opt = torch.optim.SGD(
         [q for q in model.parameters() if q.requires_grad], lr=case.lr, momentum=0.9
     )
-    losses, grads, params = [], {}, []
-    for step in range(case.steps):
-        opt.zero_grad(set_to_none=True)
-        losses.append(reference_grads(model, *micro_batches(case, step)))
-        if step == 0:
-            grads = _snapshot(model.named_parameters(), grads=True)
-        opt.step()
-        params.append(_snapshot(model.named_parameters(), grads=False))
-    return {"losses": losses, "grads": grads, "params": params}
+    per_step = [list(zip(*micro_batches(case, step))) for step in range(case.steps)]
+    trace = _reference_loop(model, opt, per_step, lambda model, x, t: lm_loss(model(x), t))
+    return {"losses": trace.losses, "grads": trace.first_grads, "params": trace.params}
 
 
 def train_pipeline(
@@ -101,9 +89,9 @@ def train_pipeline(
         res = pipeline_step(sched, chunks, inputs, targets, shape, group=group, emb_group=emb)
         losses.append(res.loss)
         if step == 0:
-            grads = _snapshot(named, grads=True)
+            grads = grad_snapshot(named)
         opt.step()
-        params.append(_snapshot(named, grads=False))
+        params.append(snapshot(named))
     if own and emb is not None:
         dist.destroy_process_group(emb)
     assert res is not None

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from labkit.models.gpt import lm_loss
 from labkit.parallel.layout import global_rank
@@ -219,15 +218,3 @@ def _hand_back(
         local[("B", a.mb, a.chunk - 1)] = dx
     else:
         grads_out[(a.mb, a.chunk)] = dx
-
-
-def reference_grads(
-    model: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]
-) -> float:
-    """Single-process gradient accumulation over the same micro-batches; returns the mean loss."""
-    total = 0.0
-    for x, t in zip(inputs, targets):
-        loss = lm_loss(model(x), t) / len(inputs)
-        loss.backward()
-        total += loss.item()
-    return total

@@ -99,7 +99,11 @@ class DynamicLossScaler:
             raise ValueError(f"growth_factor must be > 1.0, got {growth_factor!r}")
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        if (
+            isinstance(growth_interval, bool)
+            or not isinstance(growth_interval, int)
+            or growth_interval < 1
+        ):
             raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
         self._scale = to_fp32(init_scale)
         self.growth_factor = float(growth_factor)
@@ -128,7 +132,9 @@ class DynamicLossScaler:
         """
         key = id(optimizer)
         if key in self._found_inf:
-            raise RuntimeError("unscale_() was already called on this optimizer since the last update()")
+            raise RuntimeError(
+                "unscale_() was already called on this optimizer since the last update()"
+            )
         if key in self._stepped:
             raise RuntimeError("unscale_() is being called after step()")
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -136,7 +142,9 @@ class DynamicLossScaler:
             if grad.dtype == torch.float16:
                 # An fp16 gradient divided by S may underflow again: copy it to fp32 master
                 # gradients first (labkit.precision.mixed does), as GradScaler also insists.
-                raise ValueError("refusing to unscale fp16 gradients: unscale fp32 (master) gradients")
+                raise ValueError(
+                    "refusing to unscale fp16 gradients: unscale fp32 (master) gradients"
+                )
         found = self._unscale_grads(grads)
         self._found_inf[key] = found
         return found
@@ -187,7 +195,9 @@ class DynamicLossScaler:
             else:  # gradients on several devices: one tensor at a time
                 found = torch.zeros((), dtype=torch.float32, device=device)
                 for grad in grads:
-                    found = torch.maximum(found, (~torch.isfinite(grad)).any().to(found.dtype).to(device))
+                    found = torch.maximum(
+                        found, (~torch.isfinite(grad)).any().to(found.dtype).to(device)
+                    )
                     grad.mul_(inv_scale.to(grad.device))
         if self.sync_found_inf and dist.is_available() and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
@@ -205,7 +215,13 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - set(state)
+        missing = {
+            "scale",
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "_growth_tracker",
+        } - set(state)
         if missing:
             raise KeyError(f"loss scaler state is missing {sorted(missing)}")
         self._scale = to_fp32(float(state["scale"]))

@@ -52,8 +52,9 @@ def _finish(fig: Any, ax: Any, sizes: Sequence[float], ylabel: str, title: str) 
     return fig
 
 
-def _spread_bars(ax: Any, x: Sequence[float], spreads: Sequence[Spread], unit: float,
-                 fmt: str, label: str) -> None:
+def _spread_bars(
+    ax: Any, x: Sequence[float], spreads: Sequence[Spread], unit: float, fmt: str, label: str
+) -> None:
     """Median markers with min..max error bars, times scaled by ``unit`` (1e3: ms, 1e6: us)."""
     mid = [s.median * unit for s in spreads]
     low = [m - s.min * unit for m, s in zip(mid, spreads)]

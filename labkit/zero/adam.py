@@ -29,12 +29,25 @@ class AdamConfig:
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
-        if not (self.lr >= 0 and 0 <= b1 < 1 and 0 <= b2 < 1 and self.eps >= 0 and self.weight_decay >= 0):
+        if not (
+            self.lr >= 0
+            and 0 <= b1 < 1
+            and 0 <= b2 < 1
+            and self.eps >= 0
+            and self.weight_decay >= 0
+        ):
             raise ValueError(f"invalid AdamW hyper-parameters: {self}")
 
 
 @torch.no_grad()
-def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, cfg: AdamConfig) -> None:
+def adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    cfg: AdamConfig,
+) -> None:
     """One AdamW step in place on 1-D fp32 tensors of equal length (``step`` counts from 1)."""
     b1, b2 = cfg.betas
     param.mul_(1 - cfg.lr * cfg.weight_decay)

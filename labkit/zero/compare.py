@@ -45,8 +45,13 @@ CONTENDERS = (
 
 def _setup(name: str, model: nn.Module, cfg: AdamConfig) -> tuple[nn.Module, Any, Any]:
     """(module to call, optimizer with zero_grad/step, our optimizer or None) for ``name``."""
-    kw: dict[str, Any] = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps,
-                          "weight_decay": cfg.weight_decay, "foreach": True}
+    kw: dict[str, Any] = {
+        "lr": cfg.lr,
+        "betas": cfg.betas,
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+        "foreach": True,
+    }
     blocks = list(model.blocks) if isinstance(model, GPT) else None
     if name.startswith("ours"):
         stage = name.split()[1]
@@ -83,8 +88,10 @@ def run_side_by_side(
 
     bad = [c for c in contenders if c not in CONTENDERS]
     if bad or steps < 1 or warmup < 0:
-        raise ValueError(f"need contenders from {CONTENDERS}, steps >= 1, warmup >= 0; "
-                         f"got {bad or contenders}, steps={steps}, warmup={warmup}")
+        raise ValueError(
+            f"need contenders from {CONTENDERS}, steps >= 1, warmup >= 0; "
+            f"got {bad or contenders}, steps={steps}, warmup={warmup}"
+        )
     gpt = gpt or GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=128)
     device = local_device()
     rank, world_size = dist.get_rank(), dist.get_world_size()

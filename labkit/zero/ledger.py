@@ -7,9 +7,9 @@ callers can put measured next to predicted.
 
 How allocations get their category: the ZeRO classes allocate the buffers they own (flat
 parameters, gradient buffers or shards, Adam moments, communication buffers) inside
-``tracker.category(...)`` (their ``memory=`` argument); everything allocated in forward is an activation; whatever else appears
-during backward and ``step`` (autograd's per-parameter gradients before they are reduced,
-Adam's scratch, all-gather inputs) is a temporary.
+``tracker.category(...)`` (their ``memory=`` argument); everything allocated in forward is an
+activation; whatever else appears during backward and ``step`` (autograd's per-parameter
+gradients before they are reduced, Adam's scratch, all-gather inputs) is a temporary.
 
 Because those labels come from the code under test, :func:`measure` also returns two numbers
 measured without it, for an independent check of the total peak: the activation peak of one
@@ -109,7 +109,9 @@ def measure(
         "calls_per_step": {k: v / steps for k, v in opt.comm.calls.items()},
         "plain_activations": plain_activations,
         "largest_unit_bytes": max(u.layout.padded for u in opt.units) * opt.param_dtype.itemsize,
-        "sent_predicted": communication_bytes(stage, psi, elem_bytes=2 if mixed else 4) * (n - 1) / n,
+        "sent_predicted": communication_bytes(stage, psi, elem_bytes=2 if mixed else 4)
+        * (n - 1)
+        / n,
     }
 
 

@@ -79,7 +79,7 @@ class FlatLayout:
         return out
 
     def owners(self, param: int) -> list[Piece]:
-        """Every rank's piece of parameter ``param`` (1 piece, or several if it straddles shards)."""
+        """Every rank's piece of parameter ``param`` (1, or several if it straddles shards)."""
         return [p for r in range(self.world_size) for p in self.pieces(r) if p.param == param]
 
 
@@ -94,7 +94,9 @@ def flat_layout(numels: Sequence[int], world_size: int) -> FlatLayout:
         offsets.append(total)
         total += n
     padded = -(-total // world_size) * world_size  # ceil to a multiple of world_size
-    return FlatLayout(tuple(numels), world_size, tuple(offsets), total, padded, padded // world_size)
+    return FlatLayout(
+        tuple(numels), world_size, tuple(offsets), total, padded, padded // world_size
+    )
 
 
 def param_views(

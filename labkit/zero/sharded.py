@@ -134,8 +134,10 @@ class ShardedAdamW:
             self.pieces[u] = u.layout.pieces(self.rank)
         else:  # every rank updates every element: each parameter is one whole piece
             lo, hi = 0, u.layout.padded
-            self.pieces[u] = [Piece(i, self.rank, 0, off, n) for i, (off, n) in
-                              enumerate(zip(u.layout.offsets, u.layout.numels))]
+            self.pieces[u] = [
+                Piece(i, self.rank, 0, off, n)
+                for i, (off, n) in enumerate(zip(u.layout.offsets, u.layout.numels))
+            ]
         if self.policy.keeps_master:  # a 16-bit compute copy, an fp32 master of my range
             u.flat = self.zeros(u.layout.padded, "parameters", self.param_dtype).copy_(full32)
             with self.memory.category("optimizer_state"):
@@ -231,8 +233,9 @@ class ShardedAdamW:
         else:  # some parameter unused (or with its own step count): update piece by piece
             for pc in mine:
                 s = slice(pc.shard_start, pc.shard_start + pc.length)
-                adamw_(u.master[s], grad[s], u.exp_avg[s], u.exp_avg_sq[s], u.steps[pc.param],
-                       self.cfg)
+                adamw_(
+                    u.master[s], grad[s], u.exp_avg[s], u.exp_avg_sq[s], u.steps[pc.param], self.cfg
+                )
         self.policy.master_to_model(u.master, u.shard)
 
     @torch.no_grad()
@@ -255,8 +258,11 @@ class ShardedAdamW:
         "exp_avg_sq"}`` each ``{name: full tensor}``, plus ``step``. Other ranks get None."""
         out: dict[str, dict[str, torch.Tensor]] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
         for u in self.units:
-            for key, mine in (("params", u.master), ("exp_avg", u.exp_avg),
-                              ("exp_avg_sq", u.exp_avg_sq)):
+            for key, mine in (
+                ("params", u.master),
+                ("exp_avg", u.exp_avg),
+                ("exp_avg_sq", u.exp_avg_sq),
+            ):
                 full = self._full(mine, u)
                 for name, view in zip(u.names, param_views(full, u.layout, u.shapes)):
                     out[key][name] = view.clone()

@@ -74,7 +74,11 @@ class ZeRO3(ShardedAdamW):
     :class:`ShardedAdamW`."""
 
     def __init__(
-        self, model: nn.Module, cfg: AdamConfig | None = None, *, prefetch: bool = False,
+        self,
+        model: nn.Module,
+        cfg: AdamConfig | None = None,
+        *,
+        prefetch: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, cfg, shard_optimizer=True, **kwargs)
@@ -95,7 +99,11 @@ class ZeRO3(ShardedAdamW):
             self._free(u)
         self._uses = dict.fromkeys(self.units, 0)  # forward uses whose backward is still ahead
         self.reducer = BackwardReducer(
-            model, self.units, self._reduce_and_free, when="caller", after_flush=self._after_backward
+            model,
+            self.units,
+            self._reduce_and_free,
+            when="caller",
+            after_flush=self._after_backward,
         )
         self._needs = self._units_needed_by_module(model)
         for mod in self._needs:
