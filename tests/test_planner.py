@@ -22,17 +22,27 @@ from labkit.planner.flops import A100_PEAK, TABLE1_SEQ, TABLE1_VOCAB, megatron_p
 
 
 def _cfg(row) -> GPTConfig:
-    return GPTConfig(vocab_size=TABLE1_VOCAB, block_size=TABLE1_SEQ, n_layer=row.layers,
-                     n_head=row.heads, n_embd=row.hidden)
+    return GPTConfig(
+        vocab_size=TABLE1_VOCAB,
+        block_size=TABLE1_SEQ,
+        n_layer=row.layers,
+        n_head=row.heads,
+        n_embd=row.hidden,
+    )
 
 
 @pytest.mark.parametrize("row", MEGATRON_TABLE1, ids=lambda r: f"{r.params_billion}B")
 def test_table1_parameters_and_flops_arithmetic(row) -> None:
     cfg = _cfg(row)
     # the paper's count and labkit's GPT (which adds a final LayerNorm, 2h) agree to 0.1B
-    assert round(megatron_params(row.layers, row.hidden, TABLE1_VOCAB, TABLE1_SEQ) / 1e9, 1) == row.params_billion
+    assert (
+        round(megatron_params(row.layers, row.hidden, TABLE1_VOCAB, TABLE1_SEQ) / 1e9, 1)
+        == row.params_billion
+    )
     assert abs(cfg.num_params() / 1e9 - row.params_billion) < 0.051
-    flops = megatron_flops_per_iteration(row.batch, TABLE1_SEQ, row.layers, row.hidden, TABLE1_VOCAB)
+    flops = megatron_flops_per_iteration(
+        row.batch, TABLE1_SEQ, row.layers, row.hidden, TABLE1_VOCAB
+    )
     # the iteration time the table implies (aggregate PFLOP/s), and the per-GPU rate back from it
     seconds = flops / (row.aggregate_pflops * 1e15)
     per_gpu = achieved_flops_per_gpu(flops, seconds, row.gpus)
@@ -43,7 +53,9 @@ def test_table1_parameters_and_flops_arithmetic(row) -> None:
 def test_flops_formula_by_hand() -> None:
     # B=1, s=1, l=1, h=1, V=16: 96 (1 + 1/6 + 16/16) = 208; without recompute 72 (1 + 1/6) + 6*16
     assert megatron_flops_per_iteration(1, 1, 1, 1, 16) == pytest.approx(96 * (1 + 1 / 6 + 1))
-    assert megatron_flops_per_iteration(1, 1, 1, 1, 16, recompute=False) == pytest.approx(72 * (1 + 1 / 6) + 96)
+    assert megatron_flops_per_iteration(1, 1, 1, 1, 16, recompute=False) == pytest.approx(
+        72 * (1 + 1 / 6) + 96
+    )
 
 
 def test_training_time_estimates_of_the_paper() -> None:
@@ -61,7 +73,9 @@ def test_planner_ranks_the_papers_layout_in_its_top_three(row) -> None:
         key = (pred.candidate.tp, pred.candidate.pp)
         if pred.fits and key not in ranked:
             ranked.append(key)
-    assert (row.tp, row.pp) in ranked[:3], f"{row.params_billion}B: paper {(row.tp, row.pp)}, planner {ranked[:5]}"
+    assert (row.tp, row.pp) in ranked[:3], (
+        f"{row.params_billion}B: paper {(row.tp, row.pp)}, planner {ranked[:5]}"
+    )
 
 
 def test_table1_comparison_predicts_throughput_within_a_quarter() -> None:
@@ -76,8 +90,16 @@ def test_table1_comparison_predicts_throughput_within_a_quarter() -> None:
 
 def test_prediction_parts_by_hand() -> None:
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
-    cluster = Cluster(nodes=1, gpus_per_node=4, memory_bytes=1e9, peak_flops=1e12,
-                      intra_bandwidth=1e10, inter_bandwidth=1e9, intra_latency=0, inter_latency=0)
+    cluster = Cluster(
+        nodes=1,
+        gpus_per_node=4,
+        memory_bytes=1e9,
+        peak_flops=1e12,
+        intra_bandwidth=1e10,
+        inter_bandwidth=1e9,
+        intra_latency=0,
+        inter_latency=0,
+    )
     cand = Candidate(dp=2, tp=2, pp=1, micro_batch=2, zero=1, recompute="none")
     pred = predict(cfg, cluster, 8, cand, precision=MIXED_ADAM)
     h = 64
@@ -85,7 +107,9 @@ def test_prediction_parts_by_hand() -> None:
     states = model_states("zero1", psi, 2, MIXED_ADAM)
     assert pred.memory["optimizer"] == pytest.approx(states.optimizer_state)
     assert pred.memory["parameters"] == pytest.approx(2 * psi)
-    assert pred.memory["activations"] == pytest.approx(4 * activation_bytes_per_layer(32, 2, 64, 4, tp=2))
+    assert pred.memory["activations"] == pytest.approx(
+        4 * activation_bytes_per_layer(32, 2, 64, 4, tp=2)
+    )
     assert pred.micro_batches == 2 and pred.time["bubble"] == 0 and pred.time["pp_comm"] == 0
     # tp comm: 4 layers x 2 micro-batches x 4 all-reduces of 2*b*s*h bytes over 2 ranks (ring)
     assert pred.time["tp_comm"] == pytest.approx(4 * 2 * 4 * (2 * 2 * 32 * 64) / 1e10)
@@ -99,15 +123,30 @@ def test_bad_input_names_the_values() -> None:
     with pytest.raises(ValueError, match="head count 4 is not divisible by tp=8"):
         predict(cfg, cluster, 8, Candidate(dp=1, tp=8, pp=1, micro_batch=1))
     with pytest.raises(ValueError, match=r"inter_bandwidth': 0"):
-        Cluster(nodes=8, gpus_per_node=8, memory_bytes=80e9, peak_flops=1e15, intra_bandwidth=1e11, inter_bandwidth=0)
+        Cluster(
+            nodes=8,
+            gpus_per_node=8,
+            memory_bytes=80e9,
+            peak_flops=1e15,
+            intra_bandwidth=1e11,
+            inter_bandwidth=0,
+        )
     with pytest.raises(ValueError, match="global batch 6 is not divisible by dp=4 x micro-batch 1"):
         predict(cfg, cluster, 6, Candidate(dp=4, tp=2, pp=1, micro_batch=1))
 
 
-@pytest.mark.parametrize(("schedule", "p", "m", "v"), [
-    ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 3, 1), ("gpipe", 4, 6, 1),
-    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 4, 4),
-])
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"),
+    [
+        ("1f1b", 2, 4, 1),
+        ("1f1b", 4, 8, 1),
+        ("1f1b", 8, 3, 1),
+        ("gpipe", 4, 6, 1),
+        ("interleaved", 2, 4, 2),
+        ("interleaved", 4, 8, 2),
+        ("interleaved", 4, 4, 4),
+    ],
+)
 def test_simulated_bubble_agrees_with_the_closed_form(schedule, p, m, v) -> None:
     from labkit.planner.bubble import bubble_formula, simulated_bubble
 
@@ -120,7 +159,9 @@ def test_simulated_bubble_agrees_with_the_closed_form(schedule, p, m, v) -> None
 def test_planner_with_the_simulated_bubble_ranks_the_same() -> None:
     cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=48, n_head=64, n_embd=8192)
     cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(8)
-    kw = dict(micro_batches=(1, 2), virtual=(1, 2), zero_stages=(0, 1), recompute=("full", "selective"))
+    kw = dict(
+        micro_batches=(1, 2), virtual=(1, 2), zero_stages=(0, 1), recompute=("full", "selective")
+    )
     formula = plan(cfg, cluster, 128, **kw)
     simulated = plan(cfg, cluster, 128, bubble="simulated", **kw)
     assert [r.candidate for r in formula[:10]] == [r.candidate for r in simulated[:10]]
@@ -140,8 +181,14 @@ def test_exercise_check_accepts_good_layouts_and_names_what_is_wrong(capsys) -> 
     from labkit.viz.planner import plan_3d
 
     best = plan_3d(SCENARIO.model, SCENARIO.cluster, SCENARIO.global_batch)[0].candidate
-    choice = dict(dp=best.dp, tp=best.tp, pp=best.pp, micro_batch=best.micro_batch,
-                  zero=best.zero, recompute=best.recompute)
+    choice = dict(
+        dp=best.dp,
+        tp=best.tp,
+        pp=best.pp,
+        micro_batch=best.micro_batch,
+        zero=best.zero,
+        recompute=best.recompute,
+    )
     check_layout(choice)  # the planner's best (at v = 1) passes
     assert "PASSED" in capsys.readouterr().out
     with pytest.raises(CheckFailed, match=r"does not fit: .* over by [\d.]+ GB .*largest part is"):
@@ -149,7 +196,9 @@ def test_exercise_check_accepts_good_layouts_and_names_what_is_wrong(capsys) -> 
     with pytest.raises(CheckFailed, match=r"not a valid layout.*dp=2 x tp=2 x pp=2 = 8 ranks"):
         check_layout(dict(dp=2, tp=2, pp=2, micro_batch=1, zero=1, recompute="full"))
     with pytest.raises(CheckFailed, match=r"fits .* but slow"):  # a deep pipeline, tiny m
-        check_layout(dict(dp=1, tp=2, pp=16, micro_batch=8, zero=1, recompute="full"), min_ratio=0.95)
+        check_layout(
+            dict(dp=1, tp=2, pp=16, micro_batch=8, zero=1, recompute="full"), min_ratio=0.95
+        )
     with pytest.raises(CheckFailed, match="expected a dict with keys"):
         check_layout(dict(dp=4, tp=4, pp=2))
 

@@ -40,7 +40,9 @@ def _check(cfg: LabConfig, per_rank: list[dict]) -> None:
     for r in per_rank:
         for name, p in r["params"].items():
             want = ref["params"]["wte.weight" if name == "head.weight" else name]
-            torch.testing.assert_close(p, want, atol=TOL, rtol=TOL, msg=f"{d} rank {r['rank']} {name}")
+            torch.testing.assert_close(
+                p, want, atol=TOL, rtol=TOL, msg=f"{d} rank {r['rank']} {name}"
+            )
             covered.add(name)
         if r["losses"][0] is not None:  # the last stage's ranks
             assert r["losses"] == pytest.approx(ref["losses"], abs=TOL)

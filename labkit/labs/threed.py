@@ -81,7 +81,10 @@ def reference(cfg: LabConfig, replicas: int | None = None) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         x, y = batch(cfg, step)
         if replicas is not None:
-            x, y = x[: replicas * cfg.threed.micro_batches], y[: replicas * cfg.threed.micro_batches]
+            x, y = (
+                x[: replicas * cfg.threed.micro_batches],
+                y[: replicas * cfg.threed.micro_batches],
+            )
         total = 0.0
         for xi, yi in zip(x, y):
             loss = lm_loss(model(xi), yi) / len(x)

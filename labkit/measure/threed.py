@@ -38,7 +38,9 @@ def matmul_flops(n: int = 256, repeats: int = 20) -> float:
     return 2 * n**3 / statistics.median(samples)
 
 
-def gloo_alpha_bandwidth(small: int = 1, large: int = 1 << 18, repeats: int = 5) -> tuple[float, float]:
+def gloo_alpha_bandwidth(
+    small: int = 1, large: int = 1 << 18, repeats: int = 5
+) -> tuple[float, float]:
     """On every rank of the world: (alpha seconds, bandwidth bytes/s) solved from the median
     times of a ``small``- and a ``large``-element fp32 all-reduce and the ring formula
     ``t = 2(n-1) alpha + 2(n-1)/n D / bw``."""

@@ -36,7 +36,9 @@ def _idle_slots(schedule: str, p: int, m: int, v: int) -> float:
     return res.makespan - max(res.busy)
 
 
-def simulated_bubble(p: int, m: int, v: int, per_micro: float, schedule: str | None = None) -> float:
+def simulated_bubble(
+    p: int, m: int, v: int, per_micro: float, schedule: str | None = None
+) -> float:
     """Idle seconds per iteration when ``schedule`` (default: 1F1B, or interleaved when
     v > 1) runs m micro-batches of ``per_micro`` seconds on p stages."""
     if p == 1:

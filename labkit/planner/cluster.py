@@ -41,10 +41,13 @@ class Cluster:
         }
         bad = {k: v for k, v in fields.items() if not v > 0}
         if bad:
-            raise ValueError(f"cluster values must be > 0, got {bad} (cluster {self.name or fields})")
+            raise ValueError(
+                f"cluster values must be > 0, got {bad} (cluster {self.name or fields})"
+            )
         if self.intra_latency < 0 or self.inter_latency < 0:
             raise ValueError(
-                f"latencies must be >= 0, got intra {self.intra_latency}, inter {self.inter_latency}"
+                f"latencies must be >= 0, got intra {self.intra_latency}, "
+                f"inter {self.inter_latency}"
             )
 
     @property
@@ -67,13 +70,23 @@ class Cluster:
 CLUSTERS: dict[str, Cluster] = {
     # Selene, the machine of Narayanan et al. 2021: DGX A100 80GB nodes, 312 TFLOP/s bf16/fp16.
     "dgx-a100-80gb": Cluster(
-        nodes=1, gpus_per_node=8, memory_bytes=80 * GB, peak_flops=312e12,
-        intra_bandwidth=300 * GB, inter_bandwidth=25 * GB, name="DGX A100 80GB",
+        nodes=1,
+        gpus_per_node=8,
+        memory_bytes=80 * GB,
+        peak_flops=312e12,
+        intra_bandwidth=300 * GB,
+        inter_bandwidth=25 * GB,
+        name="DGX A100 80GB",
     ),
     # DGX H100: NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s NDR (50 GB/s per GPU),
     # 989 TFLOP/s dense bf16 (SXM).
     "dgx-h100-80gb": Cluster(
-        nodes=1, gpus_per_node=8, memory_bytes=80 * GB, peak_flops=989e12,
-        intra_bandwidth=450 * GB, inter_bandwidth=50 * GB, name="DGX H100 80GB",
+        nodes=1,
+        gpus_per_node=8,
+        memory_bytes=80 * GB,
+        peak_flops=989e12,
+        intra_bandwidth=450 * GB,
+        inter_bandwidth=50 * GB,
+        name="DGX H100 80GB",
     ),
 }

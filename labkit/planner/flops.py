@@ -35,7 +35,9 @@ def megatron_flops_per_iteration(
 ) -> float:
     """FLOPs of one training iteration (see the module docstring for the derivation)."""
     if min(batch, seq, layers, hidden, vocab) < 1:
-        raise ValueError(f"need positive sizes, got B={batch} s={seq} l={layers} h={hidden} V={vocab}")
+        raise ValueError(
+            f"need positive sizes, got B={batch} s={seq} l={layers} h={hidden} V={vocab}"
+        )
     factor = 96 if recompute else 72
     B, s, L, h, V = batch, seq, layers, hidden, vocab  # the paper's l is L here
     return factor * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h) * (96 / factor))

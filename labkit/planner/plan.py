@@ -48,8 +48,9 @@ ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 WORKSPACE_BYTES = 1e9
 # Megatron-LM's mixed precision as we model it: 16-bit parameters (2 bytes), gradients kept in
 # an fp32 "main_grad" buffer for the optimizer (4; they are all-reduced in 16 bits), fp32 master
-# weights and Adam's two moments (12): 18 bytes per parameter, 2 more than the ZeRO paper's 16. With 16, the
-# 18.4B row of Table 1 would fit at t=4 (78 GB of 80) and the planner would prefer it.
+# weights and Adam's two moments (12): 18 bytes per parameter, 2 more than the ZeRO paper's 16.
+# With 16, the 18.4B row of Table 1 would fit at t=4 (78 GB of 80) and the planner would
+# prefer it.
 MEGATRON_MIXED = Precision(2, 4, 12)
 
 
@@ -89,8 +90,12 @@ class Prediction:
 
     def row(self) -> dict[str, object]:
         c = asdict(self.candidate)
-        c.update(GB=round(self.memory_total / 1e9, 1), fits=self.fits, step_s=round(self.step_seconds, 3),
-                 mfu=round(self.mfu, 3))
+        c.update(
+            GB=round(self.memory_total / 1e9, 1),
+            fits=self.fits,
+            step_s=round(self.step_seconds, 3),
+            mfu=round(self.mfu, 3),
+        )
         return c
 
 
@@ -118,7 +123,8 @@ def predict(
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
     if global_batch % (cand.dp * cand.micro_batch):
         raise ValueError(
-            f"global batch {global_batch} is not divisible by dp={cand.dp} x micro-batch {cand.micro_batch}"
+            f"global batch {global_batch} is not divisible by "
+            f"dp={cand.dp} x micro-batch {cand.micro_batch}"
         )
     s, h, a, V, L = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer
     t, p, d, b, v = cand.tp, cand.pp, cand.dp, cand.micro_batch, cand.virtual
@@ -231,11 +237,20 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
     bubble = str(kwargs.pop("bubble", "formula"))
     cands = enumerate_candidates(cfg, cluster, global_batch, **kwargs)  # type: ignore[arg-type]
     preds = [
-        predict(cfg, cluster, global_batch, c, efficiency=efficiency, precision=precision,  # type: ignore[arg-type]
-                bubble=bubble)
+        predict(
+            cfg,
+            cluster,
+            global_batch,
+            c,
+            efficiency=efficiency,
+            precision=precision,  # type: ignore[arg-type]
+            bubble=bubble,
+        )
         for c in cands
     ]
-    return sorted(preds, key=lambda r: (not r.fits, r.step_seconds, r.candidate.tp * r.candidate.pp))
+    return sorted(
+        preds, key=lambda r: (not r.fits, r.step_seconds, r.candidate.tp * r.candidate.pp)
+    )
 
 
 def compare_table1(efficiency: float = 0.5) -> list[dict[str, object]]:
@@ -248,19 +263,36 @@ def compare_table1(efficiency: float = 0.5) -> list[dict[str, object]]:
 
     rows = []
     for row in MEGATRON_TABLE1:
-        cfg = GPTConfig(vocab_size=TABLE1_VOCAB, block_size=TABLE1_SEQ, n_layer=row.layers,
-                        n_head=row.heads, n_embd=row.hidden)
-        preds = [r for r in plan(cfg, CLUSTERS["dgx-a100-80gb"].with_nodes(row.gpus // 8), row.batch,
-                                 efficiency=efficiency) if r.fits]
+        cfg = GPTConfig(
+            vocab_size=TABLE1_VOCAB,
+            block_size=TABLE1_SEQ,
+            n_layer=row.layers,
+            n_head=row.heads,
+            n_embd=row.hidden,
+        )
+        preds = [
+            r
+            for r in plan(
+                cfg,
+                CLUSTERS["dgx-a100-80gb"].with_nodes(row.gpus // 8),
+                row.batch,
+                efficiency=efficiency,
+            )
+            if r.fits
+        ]
         order = list(dict.fromkeys((r.candidate.tp, r.candidate.pp) for r in preds))
         best = preds[0]
-        flops = megatron_flops_per_iteration(row.batch, TABLE1_SEQ, row.layers, row.hidden, TABLE1_VOCAB)
-        rows.append({
-            "params (B)": row.params_billion,
-            "paper (t, p)": (row.tp, row.pp),
-            "planner (t, p)": (best.candidate.tp, best.candidate.pp),
-            "paper's rank in planner": order.index((row.tp, row.pp)) + 1,
-            "paper TFLOP/s": row.tflops_per_gpu,
-            "planner TFLOP/s": round(flops / (best.step_seconds * row.gpus) / 1e12, 1),
-        })
+        flops = megatron_flops_per_iteration(
+            row.batch, TABLE1_SEQ, row.layers, row.hidden, TABLE1_VOCAB
+        )
+        rows.append(
+            {
+                "params (B)": row.params_billion,
+                "paper (t, p)": (row.tp, row.pp),
+                "planner (t, p)": (best.candidate.tp, best.candidate.pp),
+                "paper's rank in planner": order.index((row.tp, row.pp)) + 1,
+                "paper TFLOP/s": row.tflops_per_gpu,
+                "planner TFLOP/s": round(flops / (best.step_seconds * row.gpus) / 1e12, 1),
+            }
+        )
     return rows

@@ -76,7 +76,9 @@ def draw_layout(degrees: ParallelDegrees, gpus_per_node: int, ax: Any = None) ->
     ax.set_xlim(-0.1, gpus_per_node)
     ax.set_ylim(-0.1, nodes)
     ax.set_yticks([nodes - 1 - n + 0.45 for n in range(nodes)], [f"node {n}" for n in range(nodes)])
-    ax.set_xticks([i + 0.47 for i in range(gpus_per_node)], [f"gpu {i}" for i in range(gpus_per_node)])
+    ax.set_xticks(
+        [i + 0.47 for i in range(gpus_per_node)], [f"gpu {i}" for i in range(gpus_per_node)]
+    )
     ax.set_title(f"dp={degrees.dp} x tp={degrees.tp} x pp={degrees.pp}: colour = pipeline "
                  "stage, box = tp group")  # fmt: skip
     return ax.figure

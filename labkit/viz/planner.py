@@ -62,7 +62,9 @@ def format_plan(preds: list[Prediction], top: int = 8, memory_gb: float | None =
         )
     fits = sum(r.fits for r in preds)
     cap = f" of {memory_gb:.0f} GB" if memory_gb else ""
-    lines.append(f"{fits} of {len(preds)} layouts fit{cap}; * = the planner's choice, x = does not fit")
+    lines.append(
+        f"{fits} of {len(preds)} layouts fit{cap}; * = the planner's choice, x = does not fit"
+    )
     return "\n".join(lines)
 
 
@@ -77,7 +79,9 @@ class PlannerWidget:
         self.base, self.global_batch = base, global_batch
         self.size = w.Dropdown(options=sorted(MODEL_SHAPES), value=billions, description="model B")
         self.nodes = w.IntSlider(value=nodes, min=1, max=32, description="nodes")
-        self.gpus = w.Dropdown(options=[2, 4, 8, 16], value=base.gpus_per_node, description="GPUs/node")
+        self.gpus = w.Dropdown(
+            options=[2, 4, 8, 16], value=base.gpus_per_node, description="GPUs/node"
+        )
         self.memory = w.IntSlider(value=int(base.memory_bytes / 1e9), min=16, max=192, step=8,
                                   description="GB/GPU")  # fmt: skip
         self.intra = w.IntSlider(value=int(base.intra_bandwidth / 1e9), min=25, max=900, step=25,
