@@ -1,5 +1,8 @@
 """Activation checkpointing from scratch: keep a block's inputs, recompute the rest in backward.
 
+Why past ~300 lines: the technique and the measurement of both of its costs (FLOPs and
+peak activation bytes) sit together, so the lesson's claims are checked by the same code.
+
 Backward needs the forward's intermediate tensors (the "activations": every matmul input,
 every softmax output, every dropout mask). For a transformer block of width ``d`` on a
 ``(B, T)`` batch with ``h`` heads that is about ``B*T*(34d + 5hT)`` bytes in fp16

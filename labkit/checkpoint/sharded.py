@@ -1,5 +1,8 @@
 """Sharded training checkpoints: every rank writes its slice, one metadata file commits them.
 
+Why past ~300 lines: saving, the atomic commit (with a re-save's ``.prev-step_N``), verified
+loading and resharding must agree on one on-disk layout, so they stay in one file.
+
 On-disk layout of one checkpoint (``root/step_00000042/``)::
 
     metadata.json     format, step, world_size, sha256 + size of every file, and for every

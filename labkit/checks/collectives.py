@@ -1,5 +1,9 @@
 """Check for exercise 02 (the ring): the learner's reduce-scatter and all-gather on 3 ranks.
 
+Why past ~300 lines: the check explains a wrong ring step by step (labelled data decoded
+per chunk, per-phase message counts, native collectives switched off), each in its own
+small function.
+
 Contract checked (the same as :mod:`labkit.collectives.ring`, SUM only, flat 1-D tensors):
 
 * ``reduce_scatter(output_shard, input_full, group=None)``: ``output_shard`` receives chunk

@@ -1,5 +1,9 @@
 """What every from-scratch collective shares: reduce ops, chunking, peers, scratch buffers, checks.
 
+Why past ~300 lines: this is the toolbox the algorithms share (ops, chunking, peers,
+buffers, batched posting, the cached cross-rank check), kept out of them so that each
+algorithm reads as one algorithm.
+
 Kept apart so that ``naive.py``, ``ring.py`` and ``tree.py`` each read as one algorithm.
 
 * **Ops.** SUM, AVG, MAX and MIN. AVG is a SUM divided by the group size at the very end,

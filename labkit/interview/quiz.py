@@ -1,5 +1,8 @@
 """Checked questions for every interview topic id: 2-4 each, answers computed by labkit code.
 
+Why this module is long: it is mostly data, a bank of 2-4 questions for each topic id;
+the checking logic is a small part of it.
+
 A question's ``solution`` is a Python expression over labkit's functions (the namespace
 :func:`namespace`); its value IS the expected answer, so a question can never disagree with
 the code it rehearses. Numeric answers are checked within ``rel_tol``; choice answers must be

@@ -1,5 +1,9 @@
 """Diagnosis drills: a small data-parallel MNIST run with one injected fault, profiled per rank.
 
+Why this module is long: the whole drill stays in one place (the faults, the run that
+injects one, the evidence each fault leaves, the command line), so the mystery reads in one go;
+the fault definitions are most of it.
+
 The learner gets a run whose fault is hidden, reads its step breakdown
 (:mod:`labkit.profiling.breakdown`) against a clean run, names the fault, then applies the fix
 and measures before against after. Every fault is one a real job meets:

@@ -1,4 +1,8 @@
-"""The caller's side of a launch: ship the job, stream output, watch the deadline, reap, report."""
+"""The caller's side of a launch: ship the job, stream output, watch the deadline, reap, report.
+
+Why past ~300 lines: the watch loop (``_Job``) and the job's life around it belong to one
+object; blame and stacks already live in ``report.py``.
+"""
 
 from __future__ import annotations
 

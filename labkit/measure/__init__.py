@@ -2,7 +2,14 @@
 
 Techniques do not time themselves.
 
-* ``timing.py``  interleaved step timing with warm-up, medians and spread (min / median / max).
+* ``timing.py``      interleaved step timing with warm-up, medians and spread (min / median / max).
+* ``collectives.py`` algbw/busbw as nccl-tests defines them, ping-pong alpha-beta, ring snapshots.
+* ``tp.py``          activation bytes per layer and communication per block of tensor parallelism.
+* ``pipeline.py``    measured pipeline timelines and bubbles against the simulator.
+* ``threed.py``      the 3D miniature's step breakdown against the planner.
+* ``scaling.py``     scaling records: speed-up, efficiency, MFU, GPU-hours, time-to-accuracy.
+* ``capstone.py``    the GPT-2 1.3B step on a GPU (tokens/s, MFU, memory against the estimate).
+* ``profiling.py``   the miniature ResNet's strong and weak scaling.
 
 Add one module per kind of measurement; import from the submodule (``labkit.measure.timing``).
 """

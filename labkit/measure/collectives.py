@@ -1,5 +1,8 @@
 """Measure collectives the way nccl-tests does (algbw, busbw), ours against torch.distributed.
 
+Why past ~300 lines: the nccl-tests definitions, the interleaved benchmark, the ping-pong
+fit and the ring snapshots share one record type.
+
 Definitions (nccl-tests, ``doc/PERFORMANCE.md``), with ``S`` the full tensor size in bytes
 (the all-reduce tensor, the reduce-scatter *input*, the all-gather *output*) and ``t`` the time:
 

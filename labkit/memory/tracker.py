@@ -1,5 +1,8 @@
 """A live-tensor memory ledger: bytes by category, current and peak, for tensors made by aten ops.
 
+Why past ~300 lines: the dispatch mode, the storage accounting (views, ``resize_``, wrapper
+subclasses) and the CUDA variant share the ledger's bookkeeping.
+
 CPU PyTorch keeps no allocator statistics and process RSS is mostly library code, so we
 count tensors ourselves. :class:`MemoryTracker` is a ``TorchDispatchMode``: every aten op
 that runs inside it hands us its outputs, and for each output *storage* we have not seen
