@@ -149,16 +149,27 @@ def _subclass_job() -> dict:
         x = torch.randn(32, 96)
 
         _train_step(model, opt, x)  # the optimizer state exists from here on
-        with MemoryTracker() as ours:  # then one identical step under each tracker
-            ours.track_module(model)
-            ours.register([t for s in opt.state.values() for t in s.values()], "optimizer_state")
-            _train_step(model, opt, x)
-        theirs = MemTracker()
-        theirs.track_external(model, opt)
-        with theirs:
-            _train_step(model, opt, x)
-        peak = theirs.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
-        out["fsdp" if fsdp else "plain"] = (ours.peak_bytes, max(peak.values(), default=0))
+        # then identical steps under each tracker, the lower of two steps' peaks for each: under
+        # FSDP2 a gathered layer that a gloo worker thread lets go of a moment late can overlap
+        # the next gather and lift one step's peak by that layer (98,304 B here, seen by both
+        # trackers in about one run of five); it never lowers a peak, so the minimum is the
+        # step's own.
+        ours_peaks, their_peaks = [], []
+        for _ in range(2):
+            with MemoryTracker() as ours:
+                ours.track_module(model)
+                state = [t for s in opt.state.values() for t in s.values()]
+                ours.register(state, "optimizer_state")
+                _train_step(model, opt, x)
+            ours_peaks.append(ours.peak_bytes)
+        for _ in range(2):
+            theirs = MemTracker()
+            theirs.track_external(model, opt)
+            with theirs:
+                _train_step(model, opt, x)
+            peak = theirs.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
+            their_peaks.append(max(peak.values(), default=0))
+        out["fsdp" if fsdp else "plain"] = (min(ours_peaks), min(their_peaks))
     return out
 
 
