@@ -1,0 +1,80 @@
+"""All-reduce busbw and DDP step time on the emulated cluster (issue 12, scenario S4).
+
+    .venv/bin/python benchmarks/bench_cluster.py [--nodes 4] [--ranks-per-node 2]
+        [--inter-mbps 50] [--steps 5] [--mode auto]
+
+Table 1: busbw over sizes of labkit's flat all-reduce (``Comm(impl="ring")``), the
+hierarchical all-reduce and torch's ``dist.all_reduce``, interleaved step by step in one
+launch, medians after warm-up, with ours/torch per size. Table 2: step time of the tiny BERT
+under ``OverlappedDDP`` per (impl, compression), with the exposed communication and its share.
+Prints which emulation mode ran (netns: real shaped links; software: alpha-beta delays, and
+torch's own collectives across nodes charged by the model rather than emulated).
+Takes a few minutes; not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from labkit.measure.collectives import human_bytes
+
+
+def main() -> None:
+    from labkit.cluster import EmulatedCluster  # type: ignore[import-not-found]
+
+    from labkit.measure.cluster import DEFAULT_VARIANTS, Variant, measure_busbw, measure_ddp
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument("--inter-mbps", type=float, default=50.0, help="uplink MB/s per node")
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds (interleaved)")
+    parser.add_argument("--mode", default="auto", choices=("auto", "netns", "software"))
+    args = parser.parse_args()
+    world = args.nodes * args.ranks_per_node
+    cluster = EmulatedCluster(
+        nodes=args.nodes, inter_bandwidth=args.inter_mbps * 1e6, mode=args.mode
+    )
+    print(
+        f"emulated cluster: {args.nodes} nodes x {args.ranks_per_node} ranks, uplink "
+        f"{args.inter_mbps:g} MB/s per node, mode {cluster.resolved_mode()!r}"
+    )
+
+    res = measure_busbw(cluster, world, (2**12, 2**15, 2**18, 2**20, 2**22), steps=args.steps)
+    impls = list(res["busbw"])
+    print(f"\nall-reduce busbw (MB/s), median of {args.steps}, {world} ranks")
+    print(
+        f"{'size':>8}"
+        + "".join(f"{i:>14}" for i in impls)
+        + f"{'ring/torch':>12}{'hier/torch':>12}"
+    )
+    for size in sorted(res["busbw"]["torch"]):
+        row = [res["busbw"][i][size] / 1e6 for i in impls]
+        t = res["seconds"]
+        ratio_ring = t["torch"][size] / t["ring"][size]
+        ratio_hier = t["torch"][size] / t["hierarchical"][size]
+        print(
+            f"{human_bytes(size):>8}" + "".join(f"{v:>14.1f}" for v in row)
+            + f"{ratio_ring:>12.2f}{ratio_hier:>12.2f}"
+        )  # fmt: skip
+    print("(ratios: torch time / ours, > 1 means ours is faster)")
+
+    variants = (
+        *DEFAULT_VARIANTS,
+        Variant("hierarchical", wrapper="bucketed"),
+        Variant("torch", "fp16"),
+    )
+    ddp = measure_ddp(cluster, world, variants, steps=args.steps)
+    print(f"\nDDP step of the tiny BERT (OverlappedDDP, global batch 32), {world} ranks")
+    print(f"{'variant':>40}{'step ms':>9}{'exposed ms':>11}{'share':>7}{'sent KB':>9}{'torch/':>8}")
+    torch_step = ddp["steps"][Variant("torch").name]["step"]
+    for name, row in ddp["steps"].items():
+        print(
+            f"{name:>40}{row['step'] * 1e3:>9.1f}{row['exposed_comm'] * 1e3:>11.1f}"
+            f"{row['comm_share']:>7.0%}{row['sent'] / 1e3:>9.1f}{torch_step / row['step']:>8.2f}"
+        )
+    print("(torch/: torch's overlapped step time over this one, > 1 means faster than torch)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Measured on the emulated cluster: all-reduce busbw, DDP step time, strong scaling (S4, A4).
+
+Everything here runs inside ``labkit.launch(..., cluster=EmulatedCluster(...))`` ranks (the
+``*_worker`` functions) or launches them (:func:`measure_busbw`, :func:`measure_ddp`,
+:func:`measure_strong_scaling`). The node layout is passed explicitly (``ranks_per_node``):
+inside a rank nothing of the emulation is visible, the network is just slower between nodes.
+
+* **busbw** (nccl-tests' definition, :func:`labkit.collectives.cost_model.busbw_factor`):
+  labkit's flat all-reduce (``Comm(impl="ring")``), the hierarchical one
+  (``Comm(impl="hierarchical")``) and torch's ``dist.all_reduce``, interleaved step by step
+  after a warm-up; medians of rank 0's clock, each call closed by a barrier.
+* **DDP step** of the tiny BERT with :class:`labkit.ddp.OverlappedDDP` over each ``Comm``
+  impl, with and without compression; the variants are interleaved step by step. Exposed
+  communication is the time spent in ``finish_gradient_sync()`` (what is left of the
+  all-reduces after backward); its share of the step is the number A4 starts from.
+* **strong scaling**: the same global batch on 1, 2 and 4 nodes (one launch each).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from labkit.collectives.comm import Comm
+from labkit.collectives.cost_model import busbw_factor
+from labkit.labs.bert4nodes import sentence_task
+from labkit.measure.timing import interleaved_times
+from labkit.models.bert import Bert, BertConfig, bert_loss, bert_preset
+
+__all__ = [
+    "COMMS",
+    "DEFAULT_VARIANTS",
+    "Variant",
+    "busbw_worker",
+    "ddp_worker",
+    "make_comm",
+    "measure_busbw",
+    "measure_ddp",
+    "measure_strong_scaling",
+]
+
+COMMS = ("torch", "ring", "hierarchical")
+
+
+def make_comm(impl: str, ranks_per_node: int) -> Comm:
+    """``Comm`` over WORLD: PyTorch's, labkit's flat ring, or the two-level all-reduce."""
+    if impl == "hierarchical":
+        from labkit.collectives.hierarchical import node_groups
+
+        return Comm(None, impl="hierarchical", nodes=node_groups(ranks_per_node))  # type: ignore[call-arg]
+    return Comm(None, impl=impl)
+
+
+def _launch(fn: Any, *args: Any, world_size: int, cluster: Any, timeout: float) -> list[Any]:
+    from labkit.launch import launch
+
+    options: dict[str, Any] = {"threads_per_rank": 1}
+    if cluster is not None:
+        options["cluster"] = cluster
+    return launch(
+        fn, *args, world_size=world_size, backend="gloo", timeout=timeout, quiet=True, **options
+    )
+
+
+# ------------------------------------------------------------------------------ busbw
+def busbw_worker(
+    sizes: Sequence[int], ranks_per_node: int, steps: int, warmup: int
+) -> dict[str, dict[int, float]]:
+    """On every rank: ``{impl: {bytes: median seconds}}`` of a float32 all-reduce."""
+    comms = {impl: make_comm(impl, ranks_per_node) for impl in COMMS}
+    out: dict[str, dict[int, float]] = {impl: {} for impl in COMMS}
+    for size in sizes:
+        buf = torch.zeros(max(1, size // 4))  # zeros: repeated sums stay finite
+        fns = {impl: (lambda c=c, b=buf: c.all_reduce(b)) for impl, c in comms.items()}
+        times = interleaved_times(fns, steps, warmup, sync=dist.barrier)
+        for impl, t in times.items():
+            out[impl][size] = statistics.median(t)
+    return out
+
+
+def measure_busbw(
+    cluster: Any,
+    world_size: int,
+    sizes: Sequence[int] = (2**14, 2**17, 2**20, 2**22),
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    timeout: float = 300,
+) -> dict[str, Any]:
+    """``{"seconds": {impl: {bytes: s}}, "busbw": {impl: {bytes: B/s}}, "mode": ...}``."""
+    rpn = world_size // cluster.nodes
+    res = _launch(
+        busbw_worker, list(sizes), rpn, steps, warmup,
+        world_size=world_size, cluster=cluster, timeout=timeout,
+    )[0]  # fmt: skip
+    factor = busbw_factor("all_reduce", world_size)
+    busbw = {impl: {s: s * factor / t for s, t in row.items()} for impl, row in res.items()}
+    return {"seconds": res, "busbw": busbw, "mode": cluster.resolved_mode(), "rpn": rpn}
+
+
+# ------------------------------------------------------------------------------ DDP step
+@dataclass(frozen=True)
+class Variant:
+    """One way to synchronise the gradients: the ``Comm`` impl, the compression, the wrapper
+    (``"overlapped"``: all-reduces from gradient hooks; ``"bucketed"``: after backward) and
+    the bucket cap. ``impl="local"`` is no DDP at all: the compute alone."""
+
+    impl: str = "torch"
+    compression: str = "none"
+    wrapper: str = "overlapped"
+    bucket_cap_mb: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.impl not in (*COMMS, "local"):
+            raise ValueError(f"impl={self.impl!r}: expected one of {(*COMMS, 'local')}")
+        if self.wrapper not in ("overlapped", "bucketed"):
+            raise ValueError(f"wrapper={self.wrapper!r}: expected 'overlapped' or 'bucketed'")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be > 0")
+
+    @property
+    def name(self) -> str:
+        if self.impl == "local":
+            return "no DDP (compute)"
+        parts = [self.impl, self.compression if self.compression != "none" else ""]
+        parts += [f"{self.wrapper} {self.bucket_cap_mb:g} MB"]
+        return " + ".join(p for p in parts if p)
+
+
+DEFAULT_VARIANTS = (
+    Variant("local"),
+    Variant("torch"),
+    Variant("ring"),
+    Variant("hierarchical"),
+    Variant("hierarchical", "fp16"),
+    Variant("hierarchical", "powersgd-2"),
+)
+
+
+def _compression(name: str) -> Any:
+    if name == "none":
+        return None
+    from labkit.ddp.compression import Fp16Compression, PowerSGD  # type: ignore[import-not-found]
+
+    if name == "fp16":
+        return Fp16Compression(torch.float16)
+    if name.startswith("powersgd-"):
+        return PowerSGD(rank=int(name.split("-")[1]), error_feedback=True)
+    raise ValueError(f"unknown compression {name!r}: expected none, fp16 or powersgd-<r>")
+
+
+def _wrap(net: torch.nn.Module, v: Variant, ranks_per_node: int) -> Any:
+    from labkit.ddp import BucketedDDP, OverlappedDDP
+
+    if v.impl == "local":
+        return net
+    kwargs: dict[str, Any] = {"comm": make_comm(v.impl, ranks_per_node)}
+    if v.compression != "none":
+        kwargs["compression"] = _compression(v.compression)
+    cls = OverlappedDDP if v.wrapper == "overlapped" else BucketedDDP
+    return cls(net, bucket_cap_mb=v.bucket_cap_mb, **kwargs)
+
+
+def ddp_worker(
+    cfg: BertConfig,
+    variants: Sequence[Variant],
+    global_batch: int,
+    ranks_per_node: int,
+    steps: int,
+    warmup: int,
+) -> dict[str, dict[str, float]]:
+    """On every rank: ``{variant name: {"step", "exposed_comm", "sent"}}`` (median seconds;
+    bytes this rank's ``Comm`` counted per step). Each variant is its own model, optimizer
+    and wrapper; the variants' steps are interleaved."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    task = sentence_task("train", cfg.max_position)
+    per_rank = global_batch // world
+    g = torch.Generator().manual_seed(rank)
+    states: dict[str, Any] = {}
+    exposed: dict[str, list[float]] = {v.name: [] for v in variants}
+    for v in variants:
+        torch.manual_seed(0)
+        net = Bert(cfg)
+        states[v.name] = (_wrap(net, v, ranks_per_node), torch.optim.AdamW(net.parameters()))
+
+    def step(name: str) -> None:
+        model, opt = states[name]
+        idx = torch.randint(0, len(task), (per_rank,), generator=g)
+        bert_loss(model, *task.batch(idx)).backward()
+        t0 = time.perf_counter()
+        if hasattr(model, "finish_gradient_sync"):
+            model.finish_gradient_sync()  # waits for what backward did not hide
+        exposed[name].append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    fns = {name: (lambda n=name: step(n)) for name in states}
+    times = interleaved_times(fns, steps, warmup, sync=dist.barrier)
+    out = {}
+    for name, t in times.items():
+        model = states[name][0]
+        sent = model.comm.total_sent / (warmup + steps) if hasattr(model, "comm") else 0.0
+        out[name] = {
+            "step": statistics.median(t),
+            "exposed_comm": statistics.median(exposed[name][warmup:]),
+            "sent": sent,
+        }
+    return out
+
+
+def measure_ddp(
+    cluster: Any,
+    world_size: int,
+    variants: Sequence[Variant] = DEFAULT_VARIANTS,
+    *,
+    cfg: BertConfig | None = None,
+    global_batch: int = 32,
+    steps: int = 5,
+    warmup: int = 2,
+    timeout: float = 300,
+) -> dict[str, Any]:
+    """DDP step time of the tiny BERT per variant (rank 0's medians) and the comm share."""
+    cfg = cfg or bert_preset("lab")
+    if global_batch % world_size:
+        raise ValueError(f"global_batch={global_batch} is not divisible by world_size={world_size}")
+    rpn = world_size // cluster.nodes
+    res = _launch(
+        ddp_worker, cfg, list(variants), global_batch, rpn, steps, warmup,
+        world_size=world_size, cluster=cluster, timeout=timeout,
+    )[0]  # fmt: skip
+    for row in res.values():
+        row["comm_share"] = row["exposed_comm"] / row["step"]
+    return {"steps": res, "mode": cluster.resolved_mode(), "rpn": rpn}
+
+
+# ------------------------------------------------------------------------------ scaling
+def measure_strong_scaling(
+    make_cluster: Any,
+    nodes: Sequence[int] = (1, 2, 4),
+    *,
+    ranks_per_node: int = 1,
+    impl: str = "hierarchical",
+    cfg: BertConfig | None = None,
+    global_batch: int = 32,
+    steps: int = 4,
+    warmup: int = 1,
+    timeout: float = 300,
+) -> dict[int, dict[str, float]]:
+    """``{N: {"step", "exposed_comm", "speedup", "efficiency"}}`` at a fixed global batch.
+
+    ``make_cluster(n)`` builds the n-node cluster (``None`` for a plain launch at n = 1).
+    """
+    cfg = cfg or bert_preset("lab")
+    bad = [n for n in nodes if global_batch % (n * ranks_per_node)]
+    if bad or 1 not in nodes:
+        raise ValueError(
+            f"need 1 in nodes and global_batch={global_batch} divisible by every world size; "
+            f"nodes={tuple(nodes)}, ranks_per_node={ranks_per_node}"
+        )
+    out: dict[int, dict[str, float]] = {}
+    for n in nodes:
+        world = n * ranks_per_node
+        v = Variant("torch" if world == 1 else impl, bucket_cap_mb=1.0)
+        res = _launch(
+            ddp_worker, cfg, [v], global_batch, ranks_per_node, steps, warmup,
+            world_size=world, cluster=make_cluster(n), timeout=timeout,
+        )[0]  # fmt: skip
+        out[n] = dict(res[v.name])
+    for n, row in out.items():
+        row["speedup"] = out[1]["step"] / row["step"]
+        row["efficiency"] = row["speedup"] / n
+    return out
