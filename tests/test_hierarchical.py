@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 
 import cloudpickle
 import pytest
@@ -111,6 +112,18 @@ def _layout(k: int, results: dict[str, torch.Tensor]) -> list[str]:
     return bad
 
 
+def _errors(attempts: list[Callable[[], object]]) -> list[str]:
+    """The ValueError message of each attempt ("no error" if it raised none)."""
+    errors = []
+    for attempt in attempts:
+        try:
+            attempt()
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 def _bad_arguments(groups: object) -> list[str]:
     """Each attempt must raise the same ValueError on every rank, and the group keeps working."""
     from labkit.collectives import NodeGroups, hierarchical_all_reduce, node_groups
@@ -130,13 +143,7 @@ def _bad_arguments(groups: object) -> list[str]:
         lambda: hierarchical_all_reduce(torch.zeros(4), wrong),
         lambda: node_groups(p - 1),
     ]
-    errors = []
-    for attempt in attempts:
-        try:
-            attempt()
-            errors.append("no error")
-        except ValueError as exc:
-            errors.append(str(exc))
+    errors = _errors(attempts)
     x = torch.ones(5)
     hierarchical_all_reduce(x, groups)
     errors.append(f"after: {x.tolist()}")
@@ -173,18 +180,13 @@ def _comm(k: int) -> dict[str, object]:
     out["flat_inter"] = dict(hier.sent_inter)
     hier.reset()
     out["after_reset"] = (dict(hier.sent), dict(hier.sent_inter))
-    errors = []
     sub = dist.new_group(list(range(p - 1)))
-    for make in (
-        lambda: Comm(None, "hierarchical"),
-        lambda: Comm(sub, "hierarchical", nodes=groups) if rank < p - 1 else None,
-    ):
-        try:
-            make()
-            errors.append("no error")
-        except ValueError as exc:
-            errors.append(str(exc))
-    out["errors"] = errors
+    out["errors"] = _errors(
+        [
+            lambda: Comm(None, "hierarchical"),
+            lambda: Comm(sub, "hierarchical", nodes=groups) if rank < p - 1 else None,
+        ]
+    )
     # torch's collectives are looked up at call time: a wrapper put on dist (the software
     # link model does that inside ranks) sees Comm's calls
     original, seen = dist.all_gather_single, []

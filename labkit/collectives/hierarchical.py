@@ -3,7 +3,8 @@
 A cluster has two link classes: GPUs of one node talk over NVLink/PCIe (fast), nodes talk
 over the network (slow). ``p = n * k`` ranks sit on ``n`` nodes of ``k`` ranks each; the node
 of global rank ``r`` is ``r // k`` (adjacent ranks share a node, like torchrun's node ranks).
-The algorithm (Goyal et al. 2017, section 4; NCCL's and Horovod's hierarchical all-reduce):
+The algorithm (Horovod's hierarchical all-reduce; Goyal et al. 2017, section 4, reduce within
+the server, all-reduce across servers, broadcast back, is its reduce/broadcast variant):
 
 1. **reduce-scatter inside the node** (labkit's tuned ring over the ``k`` ranks of the node):
    local rank ``l`` ends with chunk ``l`` of the tensor, summed over its node;
