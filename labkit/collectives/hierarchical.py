@@ -21,7 +21,7 @@ Arithmetic (alpha-beta, ``D`` bytes per rank; ``cost_model.hierarchical_all_redu
     flat ring over p ranks      2(p-1) steps, each bounded by the slow link when n > 1:
                                 2(p-1) (alpha_e + D/p beta_e)
     hierarchical                2(k-1) alpha_i + 2(k-1)/k D beta_i          (inside the node)
-                              + 2(n-1) alpha_e + 2(n-1)/n (D/k) beta_e * k/m  (across nodes)
+                              + 2(n-1) alpha_e + 2(n-1)/n (D/k) beta_e ceil(k/m)  (across)
 
 ``m`` is the number of NICs per node, shared by the node's ``k`` phase-2 flows:
 
