@@ -177,7 +177,7 @@ class PowerSGD(Compression):
         return q.to(p.device, p.dtype)
 
     def all_reduce_mean(self, buf: torch.Tensor, params: list[nn.Parameter], comm: Comm) -> None:
-        world = comm.world_size
+        world_size = comm.world_size
         n = buf.numel() - len(params)
         key = tuple(id(p) for p in params)
         self.syncs[key] = self.syncs.get(key, 0) + 1
@@ -189,15 +189,15 @@ class PowerSGD(Compression):
         for p in params:
             views.append(buf[offset : offset + p.numel()])  # (numel,)
             offset += p.numel()
-        mats = [i for i, p in enumerate(params) if self.compresses(p)]
+        mats = [i for i, p in enumerate(params) if self.compresses(p)]  # few: a list will do
 
         # 1. Exact: vectors, small matrices and the used flags, in one buffer.
-        exact = [views[i] for i in range(len(params)) if i not in set(mats)]
+        exact = [v for i, v in enumerate(views) if i not in mats]
         flat = torch.cat([*exact, buf[n:]])  # (exact numel + len(params),)
         comm.all_reduce(flat)
         pieces = flat.split([v.numel() for v in exact] + [len(params)])
         for view, total in zip(exact, pieces):
-            torch.div(total, world, out=view)
+            torch.div(total, world_size, out=view)
         buf[n:] = pieces[-1]
         used = pieces[-1].tolist()  # summed: identical on every rank
         live = [i for i in mats if used[i] > 0]  # no rank used it: grad stays None, e carried
@@ -239,7 +239,7 @@ class PowerSGD(Compression):
                 error = self.errors[id(params[i])]
                 error.copy_(m)  # M = grad + e_prev
             torch.matmul(p_mat, q_sum.T, out=m)
-            m.div_(world)
+            m.div_(world_size)
             if self.error_feedback:
                 error.sub_(m)
             self.qs[id(params[i])] = q_sum  # warm start: next step's Q

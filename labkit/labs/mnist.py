@@ -302,9 +302,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     results = run(cfg, world_size) if world_size > 1 else [train(cfg)]
     r0 = results[0]
+    sent = r0.get("bytes_per_step")
     print(
         f"world_size={world_size} effective batch {r0['effective_batch']}: validation accuracy "
         f"{r0['accuracy']:.4f}, {r0['throughput']:,.0f} img/s"
+        + ("" if sent is None else f", {sent:,.0f} gradient bytes sent per step")
     )
 
 
