@@ -6,13 +6,14 @@ data order and steps for every setting, so the only difference is how gradients 
 Bytes per step are what this rank handed to its ``Comm`` (``comm.sent``: a ring all-reduce
 of ``B`` bytes sends ``2 (W - 1) / W * B``), gradients and used flags included.
 
-    python -m labkit.measure.compression            # prints the table (2 ranks, ~150 steps)
+    python -m labkit.measure.compression            # prints the table (2 ranks, 100 steps)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,19 +26,22 @@ DEFAULT_SETTINGS = ("none", "fp16", "bf16", "powersgd1", "powersgd2", "powersgd2
 
 @dataclass(frozen=True)
 class CompressionResult:
-    """One setting's run: validation accuracy, training loss at the end, bytes sent per step."""
+    """One setting's run: validation accuracy, training loss at the end, bytes sent per step
+    and the median step time (on one machine compression costs compute and saves little
+    time; across slow links it is the bytes that count)."""
 
     setting: str
     accuracy: float
     final_loss: float  # mean loss of the last ``tail`` steps (one step's loss is noisy)
     bytes_per_step: float
+    step_seconds: float
     losses: tuple[float, ...]
 
 
 def compare(
     settings: tuple[str, ...] = DEFAULT_SETTINGS,
     *,
-    max_steps: int = 150,
+    max_steps: int = 100,
     world_size: int = 2,
     tail: int = 20,
     cfg: MnistConfig | None = None,
@@ -66,6 +70,7 @@ def compare(
                 accuracy=r0["accuracy"],
                 final_loss=sum(last) / len(last),
                 bytes_per_step=r0["bytes_per_step"],
+                step_seconds=statistics.median(r0["step_times"]),
                 losses=tuple(r0["losses"]),
             )
         )
@@ -76,12 +81,15 @@ def format_table(results: list[CompressionResult]) -> str:
     """A text table: setting, accuracy, final loss, bytes per step and the reduction
     against the uncompressed run (when it is among ``results``)."""
     ref = next((r.bytes_per_step for r in results if r.setting == "none"), None)
-    lines = [f"{'setting':<16}{'accuracy':>10}{'final loss':>12}{'bytes/step':>13}{'less':>8}"]
+    lines = [
+        f"{'setting':<16}{'accuracy':>10}{'final loss':>12}{'bytes/step':>13}{'less':>8}"
+        f"{'step ms':>9}"
+    ]
     for r in results:
         less = f"{ref / r.bytes_per_step:.1f}x" if ref else "-"
         lines.append(
             f"{r.setting:<16}{r.accuracy:>10.4f}{r.final_loss:>12.4f}"
-            f"{r.bytes_per_step:>13,.0f}{less:>8}"
+            f"{r.bytes_per_step:>13,.0f}{less:>8}{r.step_seconds * 1e3:>9.1f}"
         )
     return "\n".join(lines)
 
@@ -89,7 +97,7 @@ def format_table(results: list[CompressionResult]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS))
-    parser.add_argument("--max-steps", type=int, default=150)
+    parser.add_argument("--max-steps", type=int, default=100)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     results = compare(
