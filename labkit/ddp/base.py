@@ -236,14 +236,16 @@ class DataParallel(nn.Module):
     # ---- communication ---------------------------------------------------------------------
 
     def all_reduce(self, buf: torch.Tensor, name: str) -> None:
-        """A blocking SUM all-reduce of ``buf`` through ``self.comm``, recorded on the timeline."""
+        """A blocking SUM all-reduce of ``buf`` through ``self.comm`` (with ``compression``: the
+        mean, see :meth:`_reduce`), recorded on the timeline."""
         start = self.now()
         self._reduce(buf)
         if self.record_events:
             self.events.append(Event("allreduce", name, start, self.now()))
 
     def start_allreduce(self, buf: torch.Tensor, name: str) -> Pending:
-        """Start a SUM all-reduce of ``buf`` without waiting; ``.wait()`` on the result ends it.
+        """Start :meth:`all_reduce`'s work on ``buf`` without waiting; ``.wait()`` on the result
+        ends it.
 
         PyTorch's collective (``comm.impl == "torch"``) is asynchronous: gloo runs it on its
         own threads (NCCL on its own CUDA stream) while backward goes on. labkit's ring and
