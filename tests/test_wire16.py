@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from tests.ranks import run_ranks
+from tests.test_hierarchical import _errors
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
 
@@ -158,7 +159,7 @@ def _errors_and_pool(p: int) -> dict[str, Any]:
     from labkit.collectives import BufferPool, Comm, hierarchical_all_reduce, node_groups
     from labkit.collectives.ring_tuned import tuned_all_reduce, tuned_reduce_scatter
 
-    rank, errors = dist.get_rank(), []
+    rank = dist.get_rank()
     last = "input" if rank == p - 1 else "accum"
     attempts = [
         lambda: Comm(None, "ring", wire="fp16"),
@@ -172,12 +173,7 @@ def _errors_and_pool(p: int) -> dict[str, Any]:
             pool=BufferPool(),
         ),
     ]
-    for attempt in attempts:
-        try:
-            attempt()
-            errors.append("no error")
-        except ValueError as exc:
-            errors.append(str(exc))
+    errors = _errors(attempts)
     groups = node_groups(2 if p == 4 else 1)
     pool, y = BufferPool(), torch.randn(1001).to(torch.bfloat16)
 

@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from labkit.collectives.common import (
     DEFAULT_POOL,
+    BufferPool,
     combine_,
     exchange,
     validate_in_place,
@@ -48,6 +49,32 @@ def _neighbours(group: ProcessGroup | None) -> tuple[int, int, int, int]:
     return rank, p, global_rank(group, (rank + 1) % p), global_rank(group, (rank - 1) % p)
 
 
+def validate_reduce_scatter(
+    output_shard: torch.Tensor,
+    input_full: torch.Tensor,
+    op: object,
+    group: ProcessGroup | None,
+    check: bool,
+    wire: str,
+    pool: BufferPool = DEFAULT_POOL,
+) -> None:
+    """The checks of a ring reduce-scatter (``common.validate``), ``wire`` included."""
+    tensors = {"output_shard": output_shard, "input_full": input_full}
+    problem, fields = wire_fields("ring_reduce_scatter", wire)
+    validate_sharded(
+        "ring_reduce_scatter",
+        group,
+        tensors,
+        "input_full",
+        "output_shard",
+        op=op,
+        problem=problem,
+        check=check,
+        pool=pool,
+        fields=fields,
+    )
+
+
 def ring_reduce_scatter(
     output_shard: torch.Tensor,
     input_full: torch.Tensor,
@@ -61,19 +88,7 @@ def ring_reduce_scatter(
     """``output_shard`` <- chunk ``rank`` of ``input_full`` reduced over ``group``; partials
     travel in float32 (``wire="accum"``) or in the input dtype (``"input"``)."""
     rank, p, right, left = _neighbours(group)
-    tensors = {"output_shard": output_shard, "input_full": input_full}
-    problem, fields = wire_fields("ring_reduce_scatter", wire)
-    validate_sharded(
-        "ring_reduce_scatter",
-        group,
-        tensors,
-        "input_full",
-        "output_shard",
-        op=op,
-        problem=problem,
-        check=check,
-        fields=fields,
-    )
+    validate_reduce_scatter(output_shard, input_full, op, group, check, wire)
     chunks = input_full.reshape(-1).tensor_split(p)  # p views, chunk c = what rank c will own
     partial = chunks[(rank - 1) % p].to(wire_dtype(input_full.dtype, wire), copy=True)
     for step in range(p - 1):

@@ -57,7 +57,7 @@ from labkit.collectives.common import (
     wire_dtype,
     wire_fields,
 )
-from labkit.collectives.ring import ring_all_gather
+from labkit.collectives.ring import ring_all_gather, validate_reduce_scatter
 
 __all__ = ["tuned_reduce_scatter", "tuned_all_gather", "tuned_all_reduce", "BLOCK_BYTES"]
 
@@ -145,20 +145,7 @@ def tuned_reduce_scatter(
 ) -> torch.Tensor:
     """Same contract as :func:`labkit.collectives.ring.ring_reduce_scatter`; ``wire``: what
     16-bit partials travel as (module docstring: bytes and error bound of each)."""
-    tensors = {"output_shard": output_shard, "input_full": input_full}
-    problem, fields = wire_fields("ring_reduce_scatter", wire)
-    validate_sharded(
-        "ring_reduce_scatter",
-        group,
-        tensors,
-        "input_full",
-        "output_shard",
-        op=op,
-        problem=problem,
-        check=check,
-        pool=pool,
-        fields=fields,
-    )
+    validate_reduce_scatter(output_shard, input_full, op, group, check, wire, pool)
     ring = _Ring(input_full.numel(), input_full.element_size(), group, block)
     n = input_full.numel()
     if ring.p == 1:
