@@ -90,9 +90,7 @@ class EmulatedCluster:
     def topology(self, world_size: int) -> NodeTopology:
         """The node layout of ``world_size`` ranks; ValueError naming both when it does not fit."""
         if self.nodes > world_size:
-            raise ValueError(
-                f"more nodes than ranks: nodes={self.nodes} > world_size={world_size}"
-            )
+            raise ValueError(f"more nodes than ranks: nodes={self.nodes} > world_size={world_size}")
         if world_size % self.nodes:
             raise ValueError(
                 f"world_size={world_size} is not divisible by nodes={self.nodes}: every node "
