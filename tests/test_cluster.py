@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import labkit
 from labkit.cluster import EmulatedCluster, NodeTopology, netns, probe_links
 from labkit.cluster import spec as cluster_spec
 from labkit.cluster.software import flat_ring_cost, reserve
-from labkit.launch import LaunchConfig, LaunchError
+from labkit.launch import LaunchConfig, LaunchError, launch
 
 SLOW = 10e6  # bytes/s of each node's uplink in the multi-process tests
 SIZES = (1 << 14, 1 << 18, 1 << 20)
@@ -58,7 +57,7 @@ def test_topology_layout():
 def test_bad_layout_fails_before_any_process(tmp_path, kwargs, world_size, message):
     cluster = EmulatedCluster(**kwargs, mode="software")
     with pytest.raises(ValueError, match=message):
-        labkit.launch(print, world_size=world_size, backend="gloo", cluster=cluster,
+        launch(print, world_size=world_size, backend="gloo", cluster=cluster,
                       log_dir=tmp_path)  # fmt: skip
     assert list(tmp_path.iterdir()) == []  # no run folder: nothing was started
 
@@ -133,7 +132,7 @@ def _check_probe(out: list[dict]) -> tuple[float, float]:
 def test_software_cluster_is_slow_across_nodes(tmp_path):
     cluster = EmulatedCluster(nodes=2, inter_bandwidth=SLOW, mode="software")
     topo = cluster.topology(4)
-    out = labkit.launch(_on_cluster, topo, str(tmp_path), world_size=4, cluster=cluster,
+    out = launch(_on_cluster, topo, str(tmp_path), world_size=4, cluster=cluster,
                         backend="gloo", timeout=90, quiet=True)  # fmt: skip
     _check_probe(out)
     floor = flat_ring_cost("all_reduce", 4000, [0, 0, 1, 1], 0.0, 1 / SLOW)
@@ -144,7 +143,7 @@ def test_software_cluster_is_slow_across_nodes(tmp_path):
 def test_netns_cluster_is_slow_across_nodes_and_cleans_up(tmp_path):
     _netns_or_skip()
     cluster = EmulatedCluster(nodes=2, inter_bandwidth=SLOW, mode="netns")
-    out = labkit.launch(_on_cluster, cluster.topology(4), str(tmp_path), world_size=4,
+    out = launch(_on_cluster, cluster.topology(4), str(tmp_path), world_size=4,
                         cluster=cluster, backend="gloo", timeout=90, quiet=True)  # fmt: skip
     _check_probe(out)
     spaces = [r["netns"] for r in out]
@@ -172,7 +171,7 @@ def test_netns_cleanup_after_a_rank_is_killed(tmp_path):
     cluster = EmulatedCluster(nodes=2, inter_bandwidth=SLOW, mode="netns")
     tag_file = tmp_path / "tag"
     with pytest.raises(LaunchError, match="rank 1"):
-        labkit.launch(_die_on_rank_1, str(tag_file), world_size=2, cluster=cluster,
+        launch(_die_on_rank_1, str(tag_file), world_size=2, cluster=cluster,
                       backend="gloo", timeout=60, quiet=True)  # fmt: skip
     tag, alive = tag_file.read_text().split()
     assert int(alive) == 3  # while it ran: two node namespaces and the switch

@@ -7,7 +7,8 @@ reply), so the order is NCCL-safe. One-way time = round trip / 2, the median of 
 after one warm-up; ``fit_alpha_beta`` fits ``time = alpha + size * beta`` over the sizes, and
 the measured bandwidth is the largest size over its one-way time.
 
-:func:`probe` launches that on a cluster and returns rank 0's :class:`ProbeResult`.
+:func:`probe` launches that on a cluster and returns rank 0's :class:`ProbeResult`. From a shell:
+``python -m labkit.cluster.probe --nodes 2 --world-size 4 --bandwidth 20e6 --mode software``.
 """
 
 from __future__ import annotations
@@ -111,3 +112,28 @@ def probe(
         **launch_options,
     )
     return results[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="measure an emulated cluster's links")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--bandwidth", type=float, default=20e6, help="bytes/s per uplink")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds (software only)")
+    parser.add_argument("--mode", default="auto", choices=("auto", "netns", "software"))
+    args = parser.parse_args(argv)
+    cluster = EmulatedCluster(args.nodes, args.bandwidth, args.latency, args.mode)
+    result = probe(cluster, args.world_size, timeout=300, quiet=True)
+    print(f"mode={result.mode} nodes={args.nodes} world_size={args.world_size} "
+          f"asked inter_bandwidth={args.bandwidth / 1e6:.1f} MB/s")  # fmt: skip
+    for name, link in (("intra", result.intra), ("inter", result.inter)):
+        if link is not None:
+            print(f"{name}: ranks {link.pair} measured {link.bandwidth / 1e6:.1f} MB/s, "
+                  f"fit alpha={link.fit.alpha * 1e6:.0f} us "
+                  f"bandwidth={link.fit.bandwidth / 1e6:.1f} MB/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

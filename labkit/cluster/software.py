@@ -32,7 +32,8 @@ is bounded by the busiest uplink (``k`` ring edges leave one node: ``k`` chunks 
     broadcast             (p-1) * alpha + k * D * beta          (a pipelined chain)
 
 Async collectives pay it in ``wait()``. Collectives do not occupy the link clock of the
-point-to-point model (the two never contend). Functional collectives (DTensor) are not charged.
+point-to-point model (the two never contend). Other collectives (barrier, all_to_all, reduce,
+gather, scatter) and functional collectives (DTensor's) run uncharged, at local speed.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def netns_unavailable() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"{' and '.join(missing)} not found on PATH"
-    name = f"lk-chk{uuid.uuid4().hex[:6]}"
+    name = f"lk-{uuid.uuid4().hex[:6]}-sw"  # the runs' scheme: a stale sweep would remove it
     added = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if added.returncode != 0:
         return f"'ip netns add' failed: {added.stderr.strip()}"
