@@ -3,7 +3,7 @@
 Layout of a run tagged ``t`` (6 hex digits) with N nodes::
 
     namespace lk-t-n0              namespace lk-t-sw                  namespace lk-t-n1
-    lo + lkt n0 10.77.0.1/16 <-veth-> lkts0 -+- bridge lktbr -+- lkts1 <-veth-> lktn1 10.77.0.2/16
+    lo + lktn0 10.77.0.1/16 <-veth-> lkts0 -+- bridge lktbr -+- lkts1 <-veth-> lktn1 10.77.0.2/16
          tbf (uplink)                tbf (downlink)    tbf (downlink)       tbf (uplink)
 
 * Every object lives inside a namespace the run creates (veth ends are created directly in

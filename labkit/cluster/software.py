@@ -57,7 +57,9 @@ import torch.distributed.distributed_c10d as c10d
 from labkit.cluster.spec import EmulatedCluster, NodeTopology
 
 
-def reserve(up: float, down: float, now: float, nbytes: int, alpha: float, beta: float):
+def reserve(
+    up: float, down: float, now: float, nbytes: int, alpha: float, beta: float
+) -> tuple[float, float]:
     """Pure core of the link model: ``(busy_until, arrival)`` of one message (see module)."""
     busy_until = max(now, up, down) + nbytes * beta
     return busy_until, busy_until + alpha
@@ -167,7 +169,9 @@ class _LateWork:
         return late
 
 
-def flat_ring_cost(kind: str, nbytes: int, nodes_of_ranks: list[int], alpha: float, beta: float):
+def flat_ring_cost(
+    kind: str, nbytes: int, nodes_of_ranks: list[int], alpha: float, beta: float
+) -> float:
     """Seconds a flat ring over ranks on ``nodes_of_ranks`` (in ring order) takes (module doc).
     0 when every rank sits on one node."""
     p = len(nodes_of_ranks)
@@ -247,7 +251,10 @@ def install(cluster: EmulatedCluster, topology: NodeTopology, state: Path) -> No
                 return real(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            pg = bound.arguments["group"] or c10d._get_default_group()
+            pg = bound.arguments["group"]
+            pg = c10d._get_default_group() if pg is None else pg
+            if pg is dist.GroupMember.NON_GROUP_MEMBER:  # not ours: torch says so
+                return real(*args, **kwargs)
             ranks = dist.get_process_group_ranks(pg)
             nbytes = size(bound.arguments, len(ranks))
             cost = flat_ring_cost(kind, nbytes, [topology.node_of(r) for r in ranks], alpha, beta)
@@ -257,7 +264,7 @@ def install(cluster: EmulatedCluster, topology: NodeTopology, state: Path) -> No
                 work = real(*args, **kwargs)
             finally:
                 charging.on = False
-            if cost == 0.0 or work is None and bound.arguments["async_op"]:
+            if cost == 0.0 or (work is None and bound.arguments["async_op"]):
                 return work
             if bound.arguments["async_op"]:
                 return _LateWork(work, until)

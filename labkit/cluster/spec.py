@@ -30,6 +30,13 @@ class NodeTopology:
     nodes: int
     ranks_per_node: int
 
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(
+                f"need nodes >= 1 and ranks_per_node >= 1, got nodes={self.nodes}, "
+                f"ranks_per_node={self.ranks_per_node}"
+            )
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
