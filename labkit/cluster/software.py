@@ -278,7 +278,7 @@ def install(cluster: EmulatedCluster, topology: NodeTopology, state: Path) -> No
     for name in _COLLECTIVES:
         if hasattr(c10d, name):
             patches[name] = charged(name, getattr(c10d, name))
-    isend.__name__ = "isend"  # batch_isend_irecv and P2POp compare against c10d.isend
+    isend.__name__ = "isend"  # P2POp and batch_isend_irecv name ops in their messages
     for name, fn in patches.items():
         setattr(c10d, name, fn)
         setattr(dist, name, fn)
