@@ -20,8 +20,7 @@ from labkit.measure.collectives import human_bytes
 
 
 def main() -> None:
-    from labkit.cluster import EmulatedCluster  # type: ignore[import-not-found]
-
+    from labkit.cluster import EmulatedCluster
     from labkit.measure.cluster import DEFAULT_VARIANTS, Variant, measure_busbw, measure_ddp
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -29,8 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from labkit.collectives.cost_model import AlphaBeta
+from labkit.collectives.cost_model import (
+    AlphaBeta,
+    flat_ring_two_level_time,
+    hierarchical_all_reduce_time,
+)
 from labkit.data.shakespeare import load_text
+from labkit.ddp.compression import PowerSGD, matrix_shape, powersgd_numel
 from labkit.models.bert import Bert, BertConfig, bert_loss, bert_preset
 
 __all__ = [
@@ -41,7 +46,6 @@ __all__ = [
     "SentenceTask",
     "allreduce_times",
     "gradient_bytes",
-    "param_shapes",
     "sentence_task",
     "strong_scaling_prediction",
     "train_baseline",
@@ -87,18 +91,21 @@ def _sentences(text: str, longest: int) -> list[str]:
 def sentence_task(split: str = "train", seq: int = 64, per_class: int = 1200) -> SentenceTask:
     """``[CLS] sentence [SEP]`` padded to ``seq``, the sentence's final mark removed.
 
-    The first ``per_class`` sentences of each type (in text order), sentence ``i`` of a
-    type in validation when ``i % 5 == 4``: deterministic, balanced, and a sentence never
-    appears in both splits.
+    The first ``per_class`` distinct sentences of each type (in text order; a repeat of an
+    earlier sentence is dropped), sentence ``i`` of a type in validation when ``i % 5 == 4``:
+    deterministic, balanced, and no sentence appears in both splits.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if seq < 16:
         raise ValueError(f"seq={seq} leaves no room for a sentence of 12 bytes plus [CLS] [SEP]")
     by_mark: dict[str, list[bytes]] = {m: [] for m in _MARKS}
+    seen: set[bytes] = set()
     for s in _sentences(load_text(), seq - 1):
         data = s[:-1].strip().encode("utf-8")[: seq - 2]  # the mark removed
-        by_mark[s[-1]].append(data)
+        if data not in seen:  # a repeated sentence ("My lord,") would leak across the split
+            seen.add(data)
+            by_mark[s[-1]].append(data)
     n = min(per_class, *(len(v) for v in by_mark.values()))
     rows: list[list[int]] = []
     labels: list[int] = []
@@ -153,37 +160,31 @@ def train_baseline(
 
 
 # ------------------------------------------------------------------------------ arithmetic
-def param_shapes(cfg: BertConfig) -> list[tuple[int, ...]]:
-    """The shape of every parameter of ``Bert(cfg)`` (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        model = Bert(cfg)
-    return [tuple(p.shape) for p in model.parameters()]
-
-
 def gradient_bytes(cfg: BertConfig, scheme: str = "fp32") -> int:
-    """Bytes one rank contributes to the gradient all-reduce per optimizer step.
+    """Gradient bytes one rank sends into the all-reduce per optimizer step (flags left out).
 
     ``"fp32"``: 4 bytes per parameter; ``"fp16"``/``"bf16"``: 2 (torch's fp16 comm hook);
-    ``"powersgd-r"`` (e.g. ``"powersgd-4"``): PowerSGD (Vogels et al. 2019) sends, for each
-    matrix ``n x m``, the factors ``P`` (n x r) and ``Q`` (m x r) in fp32, and every vector
-    (biases, LayerNorms) uncompressed: ``4 * (sum r (n + m) + sum vector sizes)``.
+    ``"powersgd<r>"`` (e.g. ``"powersgd4"``): PowerSGD (Vogels et al. 2019) as
+    :class:`labkit.ddp.compression.PowerSGD` sends it: each matrix ``n x m`` on which
+    compression pays (``r (n + m) * 2 < n m``) as the factors ``P`` (n x r) and ``Q`` (m x r)
+    in fp32, everything else (biases, LayerNorms, small matrices) whole:
+    ``4 * (sum r (n + m) + the rest)``.
     """
-    shapes = param_shapes(cfg)
-    numel = sum(torch.Size(s).numel() for s in shapes)
+    with torch.device("meta"):
+        params = list(Bert(cfg).parameters())  # shapes only, no memory
+    numel = sum(p.numel() for p in params)
     if scheme == "fp32":
         return 4 * numel
     if scheme in ("fp16", "bf16"):
         return 2 * numel
-    m = re.fullmatch(r"powersgd-(\d+)", scheme)
-    if m is None or int(m.group(1)) < 1:
-        raise ValueError(f"unknown scheme {scheme!r}: expected fp32, fp16, bf16 or powersgd-<r>")
-    r = int(m.group(1))
+    found = re.fullmatch(r"powersgd([1-9][0-9]*)", scheme)
+    if found is None:
+        raise ValueError(f"unknown scheme {scheme!r}: expected fp32, fp16, bf16 or powersgd<r>")
+    psgd = PowerSGD(rank=int(found.group(1)))
     values = 0
-    for s in shapes:
-        if len(s) == 2:
-            values += min(r * (s[0] + s[1]), s[0] * s[1])  # never more than the matrix itself
-        else:
-            values += torch.Size(s).numel()
+    for p in params:
+        shape = matrix_shape(p)
+        values += powersgd_numel(shape, psgd.rank) if shape and psgd.compresses(p) else p.numel()
     return 4 * values
 
 
@@ -201,11 +202,6 @@ def allreduce_times(
     all-reduce across nodes, all-gather in the node (formulas in
     :mod:`labkit.collectives.cost_model`, one NIC per node).
     """
-    from labkit.collectives.cost_model import (  # type: ignore[attr-defined]
-        flat_ring_two_level_time,
-        hierarchical_all_reduce_time,
-    )
-
     if nodes * ranks_per_node == 1:
         return {"flat ring": 0.0, "hierarchical": 0.0}
     return {

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from labkit.collectives.comm import Comm
 from labkit.collectives.cost_model import busbw_factor
+from labkit.collectives.hierarchical import node_groups
+from labkit.ddp.compression import make_compression
 from labkit.labs.bert4nodes import sentence_task
 from labkit.measure.timing import interleaved_times
 from labkit.models.bert import Bert, BertConfig, bert_loss, bert_preset
@@ -51,9 +53,7 @@ COMMS = ("torch", "ring", "hierarchical")
 def make_comm(impl: str, ranks_per_node: int) -> Comm:
     """``Comm`` over WORLD: PyTorch's, labkit's flat ring, or the two-level all-reduce."""
     if impl == "hierarchical":
-        from labkit.collectives.hierarchical import node_groups
-
-        return Comm(None, impl="hierarchical", nodes=node_groups(ranks_per_node))  # type: ignore[call-arg]
+        return Comm(None, impl="hierarchical", nodes=node_groups(ranks_per_node))
     return Comm(None, impl=impl)
 
 
@@ -121,6 +121,7 @@ class Variant:
             raise ValueError(f"impl={self.impl!r}: expected one of {(*COMMS, 'local')}")
         if self.wrapper not in ("overlapped", "bucketed"):
             raise ValueError(f"wrapper={self.wrapper!r}: expected 'overlapped' or 'bucketed'")
+        make_compression(self.compression)  # a bad name is refused here, before any launch
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be > 0")
 
@@ -139,20 +140,8 @@ DEFAULT_VARIANTS = (
     Variant("ring"),
     Variant("hierarchical"),
     Variant("hierarchical", "fp16"),
-    Variant("hierarchical", "powersgd-2"),
+    Variant("hierarchical", "powersgd2"),
 )
-
-
-def _compression(name: str) -> Any:
-    if name == "none":
-        return None
-    from labkit.ddp.compression import Fp16Compression, PowerSGD  # type: ignore[import-not-found]
-
-    if name == "fp16":
-        return Fp16Compression(torch.float16)
-    if name.startswith("powersgd-"):
-        return PowerSGD(rank=int(name.split("-")[1]), error_feedback=True)
-    raise ValueError(f"unknown compression {name!r}: expected none, fp16 or powersgd-<r>")
 
 
 def _wrap(net: torch.nn.Module, v: Variant, ranks_per_node: int) -> Any:
@@ -162,7 +151,7 @@ def _wrap(net: torch.nn.Module, v: Variant, ranks_per_node: int) -> Any:
         return net
     kwargs: dict[str, Any] = {"comm": make_comm(v.impl, ranks_per_node)}
     if v.compression != "none":
-        kwargs["compression"] = _compression(v.compression)
+        kwargs["compression"] = make_compression(v.compression)
     cls = OverlappedDDP if v.wrapper == "overlapped" else BucketedDDP
     return cls(net, bucket_cap_mb=v.bucket_cap_mb, **kwargs)
 
