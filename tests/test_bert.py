@@ -115,6 +115,8 @@ def test_strong_scaling_prediction_by_hand():
     assert pred[1]["efficiency"] == pytest.approx(1.0)
     hidden = lab.strong_scaling_prediction(1.0, 1e8, [4], 1, link, link, hidden=0.1)
     assert hidden[4]["step"] == pytest.approx(0.25 + 0.05)
+    two_cores = lab.strong_scaling_prediction(1.0, 1e8, [4], 1, link, link, parallel=2)
+    assert two_cores[4]["step"] == pytest.approx(0.5 + pred[4]["comm"])
 
 
 # ------------------------------------------------------------------------------ DDP proof

@@ -220,21 +220,27 @@ def strong_scaling_prediction(
     *,
     algorithm: str = "hierarchical",
     hidden: float = 0.0,
+    parallel: int | None = None,
 ) -> dict[int, dict[str, float]]:
     """``{N: {"compute", "comm", "step", "speedup", "efficiency"}}`` at a fixed global batch.
 
     ``step(N) = compute_1node / N + max(0, comm(N) - hidden)``: the compute splits over the
     nodes, the all-reduce of ``nbytes`` does not shrink, and at most ``hidden`` seconds of it
     overlap backward (0: none, an upper bound on the step). Speed-up ``step(1) / step(N)``,
-    efficiency speed-up / N.
+    efficiency speed-up / N. ``parallel``: at most this many nodes compute at once (emulated
+    nodes sharing a machine's cores): the compute term becomes ``compute_1node / min(N,
+    parallel)``.
     """
-    if compute_1node <= 0 or hidden < 0:
-        raise ValueError(f"need compute_1node > 0 and hidden >= 0, got {compute_1node}, {hidden}")
+    if compute_1node <= 0 or hidden < 0 or (parallel is not None and parallel < 1):
+        raise ValueError(
+            f"need compute_1node > 0, hidden >= 0, parallel >= 1; got {compute_1node}, "
+            f"{hidden}, {parallel}"
+        )
     out: dict[int, dict[str, float]] = {}
     for n in nodes:
         comm = allreduce_times(nbytes, n, ranks_per_node, intra, inter)[algorithm]
-        step = compute_1node / n + max(0.0, comm - hidden)
-        out[n] = {"compute": compute_1node / n, "comm": comm, "step": step}
+        compute = compute_1node / min(n, parallel or n)
+        out[n] = {"compute": compute, "comm": comm, "step": compute + max(0.0, comm - hidden)}
     comm1 = allreduce_times(nbytes, 1, ranks_per_node, intra, inter)[algorithm]
     base = compute_1node + max(0.0, comm1 - hidden)  # one node: its ranks still all-reduce
     for n, row in out.items():

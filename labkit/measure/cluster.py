@@ -50,11 +50,11 @@ __all__ = [
 COMMS = ("torch", "ring", "hierarchical")
 
 
-def make_comm(impl: str, ranks_per_node: int) -> Comm:
+def make_comm(impl: str, ranks_per_node: int, wire: str = "accum") -> Comm:
     """``Comm`` over WORLD: PyTorch's, labkit's flat ring, or the two-level all-reduce."""
     if impl == "hierarchical":
-        return Comm(None, impl="hierarchical", nodes=node_groups(ranks_per_node))
-    return Comm(None, impl=impl)
+        return Comm(None, impl="hierarchical", nodes=node_groups(ranks_per_node), wire=wire)
+    return Comm(None, impl=impl, wire=wire)
 
 
 def _launch(fn: Any, *args: Any, world_size: int, cluster: Any, timeout: float) -> list[Any]:
@@ -149,7 +149,10 @@ def _wrap(net: torch.nn.Module, v: Variant, ranks_per_node: int) -> Any:
 
     if v.impl == "local":
         return net
-    kwargs: dict[str, Any] = {"comm": make_comm(v.impl, ranks_per_node)}
+    # compressed gradients travel in their own 16-bit dtype (wire="input"): fewer bytes is
+    # their whole point; labkit's default moves 16-bit partial sums as float32
+    wire = "accum" if v.compression == "none" else "input"
+    kwargs: dict[str, Any] = {"comm": make_comm(v.impl, ranks_per_node, wire)}
     if v.compression != "none":
         kwargs["compression"] = make_compression(v.compression)
     cls = OverlappedDDP if v.wrapper == "overlapped" else BucketedDDP
