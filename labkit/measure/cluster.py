@@ -94,7 +94,7 @@ def measure_busbw(
     timeout: float = 300,
 ) -> dict[str, Any]:
     """``{"seconds": {impl: {bytes: s}}, "busbw": {impl: {bytes: B/s}}, "mode": ...}``."""
-    rpn = world_size // cluster.nodes
+    rpn = cluster.topology(world_size).ranks_per_node  # ValueError before any process starts
     res = _launch(
         busbw_worker, list(sizes), rpn, steps, warmup,
         world_size=world_size, cluster=cluster, timeout=timeout,
@@ -159,6 +159,32 @@ def _wrap(net: torch.nn.Module, v: Variant, ranks_per_node: int) -> Any:
     return cls(net, bucket_cap_mb=v.bucket_cap_mb, **kwargs)
 
 
+def _profiled_steps(
+    state: tuple[Any, Any], task: Any, per_rank: int, g: torch.Generator, steps: int
+) -> dict[str, Any]:
+    """``steps`` more steps under ``torch.profiler`` with labkit's regions: this rank's
+    :class:`labkit.profiling.breakdown.Breakdown` as a dict."""
+    from labkit.profiling.breakdown import breakdown_from_events, region, step_profiler
+
+    model, opt = state
+    with step_profiler("cpu") as prof:
+        for _ in range(steps):
+            with region("step"):
+                with region("data"):
+                    batch = task.batch(torch.randint(0, len(task), (per_rank,), generator=g))
+                with region("forward"):
+                    loss = bert_loss(model, *batch)
+                with region("backward"):
+                    loss.backward()
+                with region("comm"):
+                    model.finish_gradient_sync()
+                with region("optimizer"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+    breakdown = breakdown_from_events(prof.events(), rank=dist.get_rank(), samples=per_rank)
+    return breakdown.as_dict()
+
+
 def ddp_worker(
     cfg: BertConfig,
     variants: Sequence[Variant],
@@ -166,10 +192,12 @@ def ddp_worker(
     ranks_per_node: int,
     steps: int,
     warmup: int,
-) -> dict[str, dict[str, float]]:
+    profile: Variant | None = None,
+) -> dict[str, Any]:
     """On every rank: ``{variant name: {"step", "exposed_comm", "sent"}}`` (median seconds;
     bytes this rank's ``Comm`` counted per step). Each variant is its own model, optimizer
-    and wrapper; the variants' steps are interleaved."""
+    and wrapper; the variants' steps are interleaved. With ``profile`` (one of ``variants``),
+    ``"profile"`` holds that variant's profiled per-rank breakdown (``Breakdown.as_dict()``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     task = sentence_task("train", cfg.max_position)
     per_rank = global_batch // world
@@ -194,7 +222,7 @@ def ddp_worker(
 
     fns = {name: (lambda n=name: step(n)) for name in states}
     times = interleaved_times(fns, steps, warmup, sync=dist.barrier)
-    out = {}
+    out: dict[str, Any] = {}
     for name, t in times.items():
         model = states[name][0]
         sent = model.comm.total_sent / (warmup + steps) if hasattr(model, "comm") else 0.0
@@ -203,6 +231,8 @@ def ddp_worker(
             "exposed_comm": statistics.median(exposed[name][warmup:]),
             "sent": sent,
         }
+    if profile is not None:  # A1: the per-rank breakdown of one variant, after the timing
+        out["profile"] = _profiled_steps(states[profile.name], task, per_rank, g, steps)
     return out
 
 
@@ -215,20 +245,30 @@ def measure_ddp(
     global_batch: int = 32,
     steps: int = 5,
     warmup: int = 2,
+    profile: Variant | None = None,
     timeout: float = 300,
 ) -> dict[str, Any]:
-    """DDP step time of the tiny BERT per variant (rank 0's medians) and the comm share."""
+    """DDP step time of the tiny BERT per variant (rank 0's medians) and the comm share;
+    with ``profile``, ``"profile"`` is every rank's breakdown of that variant."""
     cfg = cfg or bert_preset("lab")
     if global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} is not divisible by world_size={world_size}")
-    rpn = world_size // cluster.nodes
-    res = _launch(
-        ddp_worker, cfg, list(variants), global_batch, rpn, steps, warmup,
+    if profile is not None and (profile not in variants or profile.impl == "local"):
+        raise ValueError(f"profile={profile} must be one of the variants, and a DDP one")
+    rpn = cluster.topology(world_size).ranks_per_node
+    ranks = _launch(
+        ddp_worker, cfg, list(variants), global_batch, rpn, steps, warmup, profile,
         world_size=world_size, cluster=cluster, timeout=timeout,
-    )[0]  # fmt: skip
+    )  # fmt: skip
+    res = {k: v for k, v in ranks[0].items() if k != "profile"}
     for row in res.values():
         row["comm_share"] = row["exposed_comm"] / row["step"]
-    return {"steps": res, "mode": cluster.resolved_mode(), "rpn": rpn}
+    out = {"steps": res, "mode": cluster.resolved_mode(), "rpn": rpn}
+    if profile is not None:
+        from labkit.profiling.breakdown import Breakdown
+
+        out["profile"] = [Breakdown.from_dict(r["profile"]) for r in ranks]
+    return out
 
 
 # ------------------------------------------------------------------------------ scaling
