@@ -183,3 +183,20 @@ def test_ddp_tiny_bert_equals_single_process_every_step():
         assert first_divergence(ref.params, runs["ddp"]) is None, f"rank {rank}"
         # negative control: each rank stepping on its own half of the batch drifts away
         assert first_divergence(ref.params, runs["local"]) is not None, f"rank {rank}"
+
+
+def test_cluster_measurements_refuse_bad_input_before_any_process():
+    from labkit.cluster import EmulatedCluster
+    from labkit.measure.cluster import Variant, measure_ddp, measure_strong_scaling
+
+    with pytest.raises(ValueError, match="impl='nccl'"):
+        Variant("nccl")
+    with pytest.raises(ValueError, match="powersgd0"):
+        Variant("torch", "powersgd0")
+    cluster = EmulatedCluster(nodes=2, inter_bandwidth=1e6, mode="software")
+    with pytest.raises(ValueError, match="global_batch=32 is not divisible by world_size=6"):
+        measure_ddp(cluster, 6)
+    with pytest.raises(ValueError, match="world_size=3 is not divisible by nodes=2"):
+        measure_ddp(cluster, 3, global_batch=33)
+    with pytest.raises(ValueError, match="nodes=\\(2, 4\\)"):
+        measure_strong_scaling(lambda n: None, (2, 4))
