@@ -1,0 +1,282 @@
+"""Lab 10: a 10B GPT on mixed interconnects (fast inside a node, slow between nodes).
+
+Two halves, one vocabulary (dp, tp, pp; Megatron's rank order, tp innermost):
+
+* the planner's side, pure functions: :data:`GPT_10B`, :func:`rank_layouts` (every layout
+  on the mixed cluster, gradients reduced hierarchically across nodes), :func:`comm_by_link`
+  (which link class each communication term rides on) and :func:`slow_link_scan` (what a
+  slower inter-node link does to each term). Why tp stays inside a node: its all-reduces
+  move ``b s h`` bytes 4-6 times per layer and micro-batch; pp sends ``b s h / t`` once per
+  stage boundary, and dp moves the gradients once per step, and only 1/k of them leave a
+  node of k dp ranks (hierarchical all-reduce);
+* a miniature that really runs: :func:`train_layouts` on every rank measures the fitted
+  alpha-beta of the intra- and inter-node links, then trains the same tiny GPT under each
+  :class:`MiniLayout` (labkit's 3D composition, :mod:`labkit.parallel.threed`), the wrong
+  placement (tp across the slow link) included; :func:`run_miniature` launches it, on an
+  emulated cluster when given one; :func:`predict_miniature` is the planner's number for it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from labkit.collectives.cost_model import AlphaBeta, fit_alpha_beta
+from labkit.labs.threed import LabConfig, _model, batch
+from labkit.launch import launch
+from labkit.memory.model import FP32_ADAM
+from labkit.models.gpt import GPTConfig
+from labkit.parallel.layout import MESH_DIMS, Layout, ParallelDegrees
+from labkit.parallel.threed import ThreeDConfig, build_threed, check_threed
+from labkit.planner.cluster import Cluster
+from labkit.planner.links import ORDERS, group_links
+from labkit.planner.plan import Candidate, Prediction, plan, predict
+
+__all__ = [
+    "GPT_10B", "MINI_LAYOUTS", "MiniConfig", "MiniLayout", "comm_by_link", "measure_links",
+    "measured_step", "ordered_layout",
+    "miniature_cluster", "predict_miniature", "rank_layouts", "run_miniature",
+    "slow_link_scan", "train_layouts",
+]  # fmt: skip
+
+# 48 layers of 4,096 (32 heads of 128), Megatron's vocabulary and sequence:
+# 12 l h^2 = 9.66B in the layers, V h = 0.21B in the embedding
+GPT_10B = GPTConfig(vocab_size=51_200, block_size=2_048, n_layer=48, n_head=32, n_embd=4_096)
+SEARCH: dict[str, Any] = dict(
+    micro_batches=(1, 2, 4), zero_stages=(0, 1), recompute=("full", "selective")
+)
+
+
+def rank_layouts(
+    cfg: GPTConfig, cluster: Cluster, global_batch: int, order: str = "tp-dp-pp"
+) -> list[Prediction]:
+    """Every layout of ``cfg`` on ``cluster`` (ranks in ``order``), dp reduced hierarchically:
+    what fits first, fastest first (:func:`labkit.planner.plan`)."""
+    return plan(cfg, cluster, global_batch, order=order, dp_collective="hierarchical", **SEARCH)
+
+
+def comm_by_link(pred: Prediction, cluster: Cluster, order: str = "tp-dp-pp") -> dict[str, str]:
+    """``{"tp": "fast" | "slow", "dp": ..., "pp": ...}``: the link each group's traffic rides
+    ("none" for an axis of degree 1: it sends nothing)."""
+    c = pred.candidate
+    degree = {"tp": c.tp, "dp": c.dp, "pp": c.pp}
+    links = group_links(cluster, c.dp, c.tp, c.pp, order)
+    return {
+        axis: "none" if degree[axis] == 1 else ("slow" if link.slow else "fast")
+        for axis, link in sorted(links.items())
+    }
+
+
+def slow_link_scan(
+    cfg: GPTConfig, cluster: Cluster, global_batch: int, cand: Candidate,
+    bandwidths: list[float], order: str = "tp-dp-pp",
+) -> list[dict[str, float]]:  # fmt: skip
+    """One row per inter-node bandwidth (bytes/s per GPU): the candidate's communication
+    terms and step seconds, everything else unchanged."""
+    rows = []
+    for bw in bandwidths:
+        p = predict(
+            cfg, replace(cluster, inter_bandwidth=bw), global_batch, cand,
+            order=order, dp_collective="hierarchical",
+        )  # fmt: skip
+        rows.append({"inter_bandwidth": bw, **p.time, "step": p.step_seconds})
+    return rows
+
+
+# ---------------------------------------------------------------- the miniature that runs
+
+
+@dataclass(frozen=True)
+class MiniLayout:
+    """A layout of the miniature: its degrees and its rank order (innermost axis first)."""
+
+    name: str
+    degrees: ParallelDegrees
+    order: str = "tp-dp-pp"
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"layout {self.name!r}: order {self.order!r} not in {ORDERS}")
+
+
+MINI_LAYOUTS = (
+    MiniLayout("tp in node, dp across", ParallelDegrees(dp=2, tp=2)),
+    MiniLayout("tp in node, pp across", ParallelDegrees(tp=2, pp=2)),
+    MiniLayout("tp across, dp in node", ParallelDegrees(dp=2, tp=2), order="dp-tp-pp"),
+)
+
+
+@dataclass(frozen=True)
+class MiniConfig:
+    """The miniature: one tiny GPT, trained ``steps`` steps (the first a warm-up) under each
+    layout, on ``ranks_per_node`` ranks per node; the link probe's fp32 element counts."""
+
+    model: GPTConfig = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
+    layouts: tuple[MiniLayout, ...] = MINI_LAYOUTS
+    ranks_per_node: int = 2
+    micro_batches: int = 4
+    micro_batch: int = 4
+    steps: int = 4
+    probe_sizes: tuple[int, ...] = (1, 1 << 12, 1 << 15)
+    repeats: int = 5
+    lab: dict[str, Any] = field(default_factory=dict)  # extra LabConfig fields
+
+    def lab_config(self, layout: MiniLayout) -> LabConfig:
+        three = ThreeDConfig(layout.degrees, self.micro_batches, self.micro_batch)
+        return LabConfig(model=self.model, threed=three, steps=self.steps,
+                         seq=self.model.block_size, **self.lab)  # fmt: skip
+
+    def check(self, world_size: int) -> None:
+        """Every layout valid on ``world_size`` ranks and the nodes whole, before launching."""
+        if world_size % self.ranks_per_node:
+            raise ValueError(
+                f"world_size={world_size} is not divisible by ranks_per_node={self.ranks_per_node}"
+            )
+        for layout in self.layouts:
+            check_threed(self.model, self.lab_config(layout).threed, world_size)
+        if self.steps < 2:
+            raise ValueError(f"steps={self.steps}: need a warm-up step and one to time")
+
+
+def ordered_layout(degrees: ParallelDegrees, order: str) -> Layout:
+    """The (pp, dp, tp) groups with ranks numbered in ``order`` (innermost first). Every
+    order keeps pp outermost, so pipeline and embedding groups equal Megatron's."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pp, dp, tp = degrees.pp, degrees.dp, degrees.tp
+    grid = torch.arange(degrees.world_size)
+    if order == "tp-dp-pp":
+        grid = grid.reshape(pp, dp, tp)
+    else:  # dp innermost: rank = pp_idx * (dp tp) + tp_idx * dp + dp_idx
+        grid = grid.reshape(pp, tp, dp).transpose(1, 2)  # (pp, tp, dp) -> (pp, dp, tp)
+    mesh = DeviceMesh("cpu", grid, mesh_dim_names=MESH_DIMS)
+    return Layout(degrees, mesh, mesh.get_group("tp"), mesh.get_group("dp"),
+                  mesh.get_group("pp"))  # fmt: skip
+
+
+def measure_links(
+    ranks_per_node: int, sizes: tuple[int, ...], repeats: int
+) -> dict[str, AlphaBeta]:
+    """On every rank: the fitted alpha-beta of an all-reduce inside each node (all nodes at
+    once) and across nodes (one rank per node, every local rank at once, sharing the uplink
+    as the workload does); every rank returns the same numbers (the slowest rank's times)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n = dist.get_world_size()
+    grid = torch.arange(n).reshape(n // ranks_per_node, ranks_per_node)  # (node, local)
+    mesh = DeviceMesh("cpu", grid, mesh_dim_names=("node", "local"))
+    out = {}
+    for name, dim in (("intra", "local"), ("inter", "node")):
+        group = mesh.get_group(dim)
+        p = dist.get_world_size(group)
+        medians = []
+        for numel in sizes:
+            x = torch.ones(numel)
+            dist.all_reduce(x, group=group)  # warm-up
+            samples = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(x, group=group)
+                samples.append(time.perf_counter() - start)
+            medians.append(statistics.median(samples))
+        t = torch.tensor(medians, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[name] = fit_alpha_beta([4.0 * s for s in sizes], t.tolist(),
+                                   steps=2 * (p - 1), bytes_factor=2 * (p - 1) / p)  # fmt: skip
+    return out
+
+
+def train_layouts(cfg: MiniConfig) -> dict[str, Any]:
+    """On every rank: measure the links, then train every layout, interleaved step by step
+    (the machine's drift hits all alike); per layout, this rank's step seconds (warm-up
+    dropped), its parts (``ThreeD.last``) and the global loss (on the last stage, else None)."""
+    links = measure_links(cfg.ranks_per_node, cfg.probe_sizes, cfg.repeats)
+    labs = [cfg.lab_config(layout) for layout in cfg.layouts]
+    jobs = [
+        build_threed(_model(lab), lab.threed, lab.adam,
+                     ordered_layout(layout.degrees, layout.order))
+        for lab, layout in zip(labs, cfg.layouts)
+    ]  # fmt: skip
+    runs: dict[str, dict[str, list[Any]]] = {
+        layout.name: {"times": [], "parts": [], "losses": []} for layout in cfg.layouts
+    }
+    for step in range(cfg.steps):
+        for lab, layout, job in zip(labs, cfg.layouts, jobs):
+            d, m = job.dp_rank, lab.threed.micro_batches
+            x, y = batch(lab, step)  # (dp * m, b, T) each
+            dist.barrier()
+            start = time.perf_counter()
+            loss = job.step(list(x[d * m : (d + 1) * m]), list(y[d * m : (d + 1) * m]))
+            seconds = time.perf_counter() - start
+            if loss is not None:  # the last stage: the dp replicas' mean, the global loss
+                mean = torch.tensor([loss])
+                dist.all_reduce(mean, group=job.layout.dp_group)
+                loss = mean.item() / layout.degrees.dp
+            run = runs[layout.name]
+            if step > 0:  # the first step warms up
+                run["times"].append(seconds)
+                run["parts"].append(job.last)
+            run["losses"].append(loss)
+    for job in jobs:
+        job.close()
+    return {"rank": dist.get_rank(), "links": links, "runs": runs}
+
+
+def run_miniature(
+    cfg: MiniConfig, world_size: int = 4, cluster: Any = None, timeout: float = 300
+) -> list[dict[str, Any]]:
+    """Launch :func:`train_layouts` on ``world_size`` gloo ranks; ``cluster``: an
+    ``EmulatedCluster`` (its nodes hold ``cfg.ranks_per_node`` ranks each) or None (one
+    machine, every link alike)."""
+    cfg.check(world_size)
+    options: dict[str, Any] = {}
+    if cluster is not None:
+        options["cluster"] = cluster
+    return launch(train_layouts, cfg, world_size=world_size, timeout=timeout, quiet=True,
+                  backend="gloo", **options)  # fmt: skip
+
+
+def miniature_cluster(
+    links: dict[str, AlphaBeta], flops_one_thread: float, world_size: int,
+    ranks_per_node: int, cores: int,
+) -> Cluster:  # fmt: skip
+    """The CPU ranks as the planner's cluster: each rank's share of the cores' matmul FLOP/s,
+    the measured intra and inter links. The planner counts 16-bit messages and gradients; the
+    miniature sends fp32 (twice the bytes), so each link's bandwidth is stated in 16-bit bytes
+    (halved): the predicted seconds are then those of the fp32 transfers."""
+    per_rank = flops_one_thread * min(1.0, cores / world_size)
+    return Cluster(
+        nodes=world_size // ranks_per_node, gpus_per_node=ranks_per_node, memory_bytes=16e9,
+        peak_flops=per_rank,
+        intra_bandwidth=links["intra"].bandwidth / 2, inter_bandwidth=links["inter"].bandwidth / 2,
+        intra_latency=links["intra"].alpha, inter_latency=links["inter"].alpha,
+        name="this CPU, emulated nodes",
+    )  # fmt: skip
+
+
+def predict_miniature(cfg: MiniConfig, cluster: Cluster, layout: MiniLayout) -> Prediction:
+    """The planner's prediction for one miniature layout: fp32 Adam, no recompute, compute at
+    the measured FLOP/s (efficiency 1), hierarchical dp where a dp group spans nodes."""
+    d = layout.degrees
+    lab = cfg.lab_config(layout)
+    cand = Candidate(d.dp, d.tp, d.pp, cfg.micro_batch, 0, "none")
+    return predict(
+        cfg.model, cluster, lab.threed.global_batch, cand, efficiency=1.0,
+        precision=FP32_ADAM, order=layout.order, dp_collective="hierarchical",
+    )  # fmt: skip
+
+
+def measured_step(results: list[dict[str, Any]], name: str) -> dict[str, float]:
+    """One layout's measured seconds: the median over ranks of each rank's median step, and of
+    each part (``compute`` includes the tp all-reduces; ``optimizer`` the dp reduction)."""
+    runs = [r["runs"][name] for r in results]
+    out = {"step": statistics.median(statistics.median(r["times"]) for r in runs)}
+    for key in runs[0]["parts"][0]:
+        out[key] = statistics.median(statistics.median(p[key] for p in r["parts"]) for r in runs)
+    return out
