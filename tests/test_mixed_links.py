@@ -17,6 +17,7 @@ from labkit.labs.mixed_links import (
     predict_miniature,
     rank_layouts,
     slow_link_scan,
+    traffic,
     train_layouts,
 )
 from labkit.labs.threed import reference
@@ -119,6 +120,21 @@ def test_the_best_layout_keeps_tp_inside_a_node(cluster: Cluster) -> None:
             else:
                 assert wrong.time["tp_comm"] == r.time["tp_comm"], c
     assert checked
+
+
+def test_traffic_per_link_by_hand() -> None:
+    """tp moves tens of times the bytes of pp and dp together: it gets the fast link."""
+    cand = Candidate(dp=8, tp=2, pp=2, micro_batch=1, zero=1, recompute="selective")
+    s, h, v = GPT_10B.block_size, GPT_10B.n_embd, GPT_10B.vocab_size
+    m, act = 256 // 8, 2 * s * h
+    got = traffic(GPT_10B, 256, cand, ETH)
+    assert got["tp"] == (pytest.approx(24 * m * 4 * act / 2 * 2 * 1), "fast")
+    assert got["pp"] == (pytest.approx(2 * m * act / 2), "slow")
+    psi = (24 * (12 * h * h + 13 * h) + v * h) / 2 + s * h
+    assert got["dp"] == (pytest.approx(2 * psi / 4), "slow")  # 2 nodes, 4 dp ranks each
+    flat = traffic(GPT_10B, 256, replace(cand, dp=2, tp=8, pp=2), ETH)["dp"]  # 1 rank a node
+    assert flat[0] == pytest.approx(2 * (24 * (12 * h * h + 13 * h) + v * h) / 8 + 2 * s * h)
+    assert got["tp"][0] > 20 * (got["dp"][0] + got["pp"][0])
 
 
 def test_a_slower_inter_link_raises_dp_and_pp_comm_not_tp() -> None:

@@ -35,13 +35,13 @@ from labkit.parallel.layout import MESH_DIMS, Layout, ParallelDegrees
 from labkit.parallel.threed import ThreeDConfig, build_threed, check_threed
 from labkit.planner.cluster import Cluster
 from labkit.planner.links import ORDERS, group_links
-from labkit.planner.plan import Candidate, Prediction, plan, predict
+from labkit.planner.plan import Candidate, Prediction, _stage_params, plan, predict
 
 __all__ = [
     "GPT_10B", "MINI_LAYOUTS", "MiniConfig", "MiniLayout", "comm_by_link", "measure_links",
     "measured_step", "ordered_layout",
     "miniature_cluster", "predict_miniature", "rank_layouts", "run_miniature",
-    "slow_link_scan", "train_layouts",
+    "slow_link_scan", "traffic", "train_layouts",
 ]  # fmt: skip
 
 # 48 layers of 4,096 (32 heads of 128), Megatron's vocabulary and sequence:
@@ -70,6 +70,35 @@ def comm_by_link(pred: Prediction, cluster: Cluster, order: str = "tp-dp-pp") ->
         axis: "none" if degree[axis] == 1 else ("slow" if link.slow else "fast")
         for axis, link in sorted(links.items())
     }
+
+
+def traffic(
+    cfg: GPTConfig, global_batch: int, cand: Candidate, cluster: Cluster, order: str = "tp-dp-pp"
+) -> dict[str, tuple[float, str]]:
+    """Bytes each GPU sends per step on each axis, and the link they ride (the planner's
+    arithmetic, :mod:`labkit.planner.plan`): tp ``(l/p) m (4 | 6) 2(t-1)/t b s h x 2``; pp
+    ``2 m v b s h x 2 / t``; dp the 16-bit gradients of a stage, ``2(d-1)/d x 2 P_stage`` on
+    a flat ring, or, hierarchically across n nodes of k dp ranks, ``2(n-1)/n x 2 P_stage / k``
+    leaving the node (the in-node reduce-scatter and all-gather stay on the fast link)."""
+    s, h, layers = cfg.block_size, cfg.n_embd, cfg.n_layer
+    t, p, d, b, v = cand.tp, cand.pp, cand.dp, cand.micro_batch, cand.virtual
+    m = global_batch // (d * b)
+    act = 2 * b * s * h
+    ars = 4 + (2 if cand.recompute == "full" else 0)
+    links = group_links(cluster, d, t, p, order)
+    grads = 2 * _stage_params(cfg, t, p)
+    dpl = links["dp"]
+    if dpl.slow and dpl.ranks_per_node > 1:
+        n = dpl.nodes
+        dp_bytes = 2 * (n - 1) / n * grads / dpl.ranks_per_node
+    else:
+        dp_bytes = 2 * (d - 1) / d * grads
+    sent = {
+        "tp": layers / p * m * ars * 2 * (t - 1) / t * act,
+        "pp": 2 * m * v * act / t if p > 1 else 0.0,
+        "dp": dp_bytes,
+    }
+    return {axis: (sent[axis], "slow" if links[axis].slow else "fast") for axis in sent}
 
 
 def slow_link_scan(
@@ -122,7 +151,7 @@ class MiniConfig:
     micro_batches: int = 4
     micro_batch: int = 4
     steps: int = 4
-    probe_sizes: tuple[int, ...] = (1, 1 << 12, 1 << 15)
+    probe_sizes: tuple[int, ...] = (1, 1 << 14, 1 << 18)
     repeats: int = 5
     lab: dict[str, Any] = field(default_factory=dict)  # extra LabConfig fields
 
