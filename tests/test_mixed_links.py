@@ -47,7 +47,10 @@ def test_group_links_follow_the_rank_order() -> None:
     assert (links["dp"].ranks_per_node, links["dp"].nodes, links["dp"].slow) == (4, 2, True)
     assert links["pp"].slow and links["pp"].alpha == ETH.inter_latency  # stages 16 ranks apart
     assert group_links(ETH, dp=2, tp=16, pp=1)["tp"].slow  # tp=16 cannot fit a node of 8
-    assert not group_links(ETH, dp=2, tp=2, pp=8)["pp"].slow  # neighbours 4 apart: one node
+    assert not group_links(ETH, dp=1, tp=4, pp=2)["pp"].slow  # both stages in one node
+    # stages 4 ranks apart: every other boundary leaves a node, and paces the pipeline
+    assert group_links(ETH, dp=2, tp=2, pp=8)["pp"].nodes == 4
+    assert group_links(ETH, dp=2, tp=2, pp=8)["pp"].slow
     # dp innermost (the wrong placement): tp's partners are dp=8 ranks apart, off the node
     wrong = group_links(ETH, dp=8, tp=2, pp=2, order="dp-tp-pp")
     assert wrong["tp"].slow and not wrong["dp"].slow and wrong["dp"].ranks_per_node == 8

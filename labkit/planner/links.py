@@ -9,8 +9,9 @@ it)``, and a group of ``n`` ranks at stride ``s`` in nodes of ``g`` GPUs holds
     nodes            ceil(n / ranks per node)
 
 A group on one node talks over the fast link (NVLink); one spanning nodes is paced by the
-slow link. Pipeline groups only talk to their neighbour stage, ``s`` ranks away: they cross
-when ``s + 1 > g``. The other order, ``"dp-tp-pp"``, puts dp innermost and is the *wrong*
+slow link. A pipeline talks stage to neighbour stage, but once one boundary crosses nodes
+that boundary paces every micro-batch, so a pipeline spanning nodes is charged the slow
+link too. The other order, ``"dp-tp-pp"``, puts dp innermost and is the *wrong*
 placement the mixed-interconnect scenario measures: tp all-reduces then cross the slow link.
 
 Pure arithmetic: no processes.
@@ -59,8 +60,7 @@ def group_links(
         n = sizes[axis]
         per_node = min(n, g // stride) if stride < g else 1
         nodes = -(-n // per_node)
-        # pipeline stages only talk to their neighbour, stride ranks away
-        crosses = n > 1 and stride + 1 > g if axis == "pp" else nodes > 1
+        crosses = nodes > 1  # for pp: some stage boundary crosses, and paces the pipeline
         alpha, bw = slow if crosses else fast
         out[axis] = GroupLink(alpha, bw, crosses, per_node, nodes)
         stride *= n
