@@ -13,7 +13,6 @@ from labkit.labs.mixed_links import (
     MiniConfig,
     MiniLayout,
     comm_by_link,
-    miniature_cluster,
     predict_miniature,
     rank_layouts,
     slow_link_scan,
@@ -21,6 +20,7 @@ from labkit.labs.mixed_links import (
     train_layouts,
 )
 from labkit.labs.threed import reference
+from labkit.measure.mixed_links import miniature_cluster
 from labkit.models.gpt import GPTConfig
 from labkit.parallel.layout import ParallelDegrees
 from labkit.planner import CLUSTERS, Candidate, Cluster, predict
