@@ -8,13 +8,15 @@ Read in this order (lesson ``notebooks/02_collectives.ipynb``):
 * ``tree.py``       recursive doubling and a binomial broadcast: ``log2 p`` steps, small messages.
 * ``ring_tuned.py`` the same ring made fast: pieces, pipelining, reused buffers.
 * ``auto.py``       labkit's all-reduce: recursive doubling up to a measured size, then the ring.
+* ``hierarchical.py`` two levels for a cluster: reduce-scatter in the node, all-reduce across
+                    nodes, all-gather in the node; ``node_groups(ranks_per_node)`` builds them.
 * ``cost_model.py`` the alpha-beta formulas of all of the above, and a fit of alpha and beta.
 * ``common.py``     ops, chunking, batched messages, reusable buffers and the one validation.
 * ``nccl_order.py`` records every point-to-point call and proves the order cannot deadlock NCCL.
 * ``labkit/measure/collectives.py``: algbw/busbw as nccl-tests define them, ours vs torch's;
   ``labkit/viz/collectives.py``: the lesson's pictures.
-* ``comm.py``       ``Comm(group, impl="torch" | "ring")``: the one switch every technique uses,
-                    with the bytes each call sends counted.
+* ``comm.py``       ``Comm(group, impl="torch" | "ring" | "hierarchical", nodes=)``: the one
+                    switch every technique uses, with the bytes each call sends counted.
 
 Every collective takes ``group=`` (None = WORLD) and checks, by default, that all ranks
 passed the same size, op and dtype, so a mismatch is a clear error on every rank, not a hang.
@@ -23,6 +25,7 @@ passed the same size, op and dtype, so a mismatch is a clear error on every rank
 from labkit.collectives.auto import AllReduceChoice
 from labkit.collectives.comm import Comm
 from labkit.collectives.common import BufferPool, chunk_sizes
+from labkit.collectives.hierarchical import NodeGroups, hierarchical_all_reduce, node_groups
 from labkit.collectives.naive import naive_all_reduce
 from labkit.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from labkit.collectives.ring_tuned import tuned_all_gather, tuned_all_reduce, tuned_reduce_scatter
@@ -32,6 +35,9 @@ __all__ = [
     "AllReduceChoice",
     "BufferPool",
     "Comm",
+    "NodeGroups",
+    "node_groups",
+    "hierarchical_all_reduce",
     "chunk_sizes",
     "naive_all_reduce",
     "ring_all_reduce",

@@ -8,30 +8,51 @@ technique from PyTorch's collectives to labkit's ring is one argument, ``impl="r
 ``impl="ring"`` uses labkit's own collectives where speed matters: the tuned ring
 (:mod:`labkit.collectives.ring_tuned`) and, for all-reduce, :mod:`labkit.collectives.auto`
 (recursive doubling below a measured size).
+``Comm(None, impl="hierarchical", nodes=node_groups(k))`` all-reduces in two levels
+(:mod:`labkit.collectives.hierarchical`); its reduce-scatter and all-gather stay flat (the
+tuned ring over the whole group, node-ordered): a sharded optimizer's shards span the world,
+and a two-level reduce-scatter would only reorder which rank owns which shard. labkit's
+collectives block, so ``async_op=True`` degrades to a finished call for "ring" and
+"hierarchical" (the DDP wrappers run them on a communication thread to overlap).
+torch.distributed's functions are looked up at call time, so a wrapper installed on
+``dist`` inside a rank (the emulated cluster's software link model) sees every call.
 
 Byte accounting. ``sent[op]`` is what a bandwidth-optimal (ring) algorithm sends from this
 rank for the calls made: a reduce-scatter or all-gather of ``M`` bytes sends
 ``(N-1)/N * M``, an all-reduce twice that. That is the quantity behind ZeRO's 2Psi / 3Psi
 argument (the paper rounds ``(N-1)/N`` to 1).
+With ``nodes=`` (any impl), ``sent_intra[op]`` / ``sent_inter[op]`` split this rank's bytes by
+link class, as the ring schedules send them, in the dtype they travel in (16-bit partials
+travel as float32 in labkit's reduce phases): for "hierarchical" all-reduce, phases 1 and 3
+count as intra and phase 2 (``2(n-1)/n`` of this rank's chunk) as inter; for a flat ring
+over node-ordered ranks, only the last rank of each node sends across (to the next node).
+``sum(sent_inter.values())`` summed over a node's ranks is what crossed its uplink.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from labkit.collectives.common import accum_dtype, chunk_sizes
+
+if TYPE_CHECKING:
+    from labkit.collectives.hierarchical import NodeGroups
+
 __all__ = ["Comm", "IMPLS"]
 
-IMPLS = ("torch", "ring")
+IMPLS = ("torch", "ring", "hierarchical")
 
-# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single; older releases
-# (a GPU image may ship one) have only the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+def _torch_collective(new: str, old: str) -> Any:
+    """``dist.<new>`` or, on older releases, ``dist.<old>``, looked up now (not at import), so
+    a function patched onto ``dist`` inside a rank is the one called. torch 2.13 renamed
+    reduce_scatter_tensor / all_gather_into_tensor to *_single; a GPU image may ship older."""
+    return getattr(dist, new, None) or getattr(dist, old)
 
 
 class _Done:
@@ -40,26 +61,82 @@ class _Done:
 
 
 class Comm:
-    """reduce_scatter (SUM) / all_gather / all_reduce (SUM) over ``group``, with byte counters."""
+    """reduce_scatter (SUM) / all_gather / all_reduce (SUM) over ``group``, with byte counters.
 
-    def __init__(self, group: ProcessGroup | None = None, impl: str = "torch") -> None:
+    ``nodes``: the node layout (:func:`labkit.collectives.hierarchical.node_groups`), needed by
+    ``impl="hierarchical"`` and optional otherwise (it enables the per-link-class counters);
+    it must cover ``group`` (the whole world, in rank order).
+    """
+
+    def __init__(
+        self,
+        group: ProcessGroup | None = None,
+        impl: str = "torch",
+        nodes: NodeGroups | None = None,
+    ) -> None:
         if impl not in IMPLS:
             raise ValueError(f"unknown collective implementation {impl!r}; expected one of {IMPLS}")
+        if impl == "hierarchical" and nodes is None:
+            raise ValueError(
+                'impl="hierarchical" needs nodes=node_groups(ranks_per_node) '
+                "(labkit.collectives.hierarchical): the node layout is not guessed"
+            )
         self.group = group
         self.impl = impl
+        self.nodes = nodes
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if nodes is not None:
+            self._check_nodes(nodes)
         self.sent: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.sent_intra: dict[str, int] = defaultdict(int)  # by link class (with nodes=)
+        self.sent_inter: dict[str, int] = defaultdict(int)
+
+    def _check_nodes(self, nodes: NodeGroups) -> None:
+        """``nodes`` must cover this Comm's group, its ranks in global (node) order."""
+        ranks = list(range(dist.get_world_size()))
+        if self.group is not None:
+            ranks = dist.get_process_group_ranks(self.group)
+        if ranks != list(range(nodes.world_size)):
+            raise ValueError(
+                f"nodes ({nodes.nodes} nodes x {nodes.ranks_per_node} ranks) must cover the "
+                f"group, global ranks 0..{nodes.world_size - 1} in order; the group has "
+                f"ranks {ranks}"
+            )
+        problem = nodes.problem()
+        if problem is not None:
+            raise ValueError(problem)
 
     def _count(self, op: str, nbytes: int, factor: int = 1) -> None:
         n = self.world_size
         self.sent[op] += factor * nbytes * (n - 1) // n
         self.calls[op] += 1
 
+    def _count_links(self, op: str, t: torch.Tensor, phases: tuple[bool, ...]) -> None:
+        """Per link class, this rank's bytes for ``op`` on ``t``; ``phases`` says which of
+        (reduce, gather) ran (see the module docstring)."""
+        if self.nodes is None:
+            return
+        k, n, p = self.nodes.ranks_per_node, self.nodes.nodes, self.world_size
+        # labkit's reduce phases move 16-bit partials as float32; torch's move the dtype
+        reduce_size = t.element_size() if self.impl == "torch" else accum_dtype(t.dtype).itemsize
+        sizes = (reduce_size, t.element_size())
+        moved = [t.numel() * size for size, on in zip(sizes, phases) if on]  # each phase run
+        if self.impl == "hierarchical" and op == "all_reduce":
+            chunk = chunk_sizes(t.numel(), k)[self.rank % k] * reduce_size  # phase 2's bytes
+            self.sent_intra[op] += sum(m * (k - 1) // k for m in moved)
+            self.sent_inter[op] += 2 * chunk * (n - 1) // n
+            return
+        # a flat ring: everyone sends (p-1)/p of each phase to the next rank, off-node for the
+        # last rank of a node
+        crossing = n > 1 and self.rank % k == k - 1
+        links = self.sent_inter if crossing else self.sent_intra
+        links[op] += sum(m * (p - 1) // p for m in moved)
+
     def reset(self) -> None:
-        self.sent.clear()
-        self.calls.clear()
+        for counter in (self.sent, self.calls, self.sent_intra, self.sent_inter):
+            counter.clear()
 
     @property
     def total_sent(self) -> int:
@@ -68,28 +145,32 @@ class Comm:
     def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor) -> None:
         """``out_shard`` <- this rank's chunk of the SUM of ``in_full`` over ranks."""
         self._count("reduce_scatter", in_full.numel() * in_full.element_size())
+        self._count_links("reduce_scatter", in_full, (True, False))
         if self.world_size == 1:
             out_shard.copy_(in_full)
-        elif self.impl == "ring":
+        elif self.impl in ("ring", "hierarchical"):  # both: the flat tuned ring
             from labkit.collectives.ring_tuned import tuned_reduce_scatter
 
             tuned_reduce_scatter(out_shard, in_full, group=self.group, check=False)
         else:
-            _reduce_scatter(out_shard, in_full, group=self.group)
+            reduce_scatter = _torch_collective("reduce_scatter_single", "reduce_scatter_tensor")
+            reduce_scatter(out_shard, in_full, group=self.group)
 
     def all_gather(
         self, out_full: torch.Tensor, in_shard: torch.Tensor, async_op: bool = False
     ) -> Any:
         """``out_full`` <- every rank's ``in_shard`` end to end. Returns a handle to ``wait()``."""
         self._count("all_gather", out_full.numel() * out_full.element_size())
+        self._count_links("all_gather", out_full, (False, True))
         if self.world_size == 1:
             out_full.copy_(in_shard)
-        elif self.impl == "ring":  # labkit's ring is blocking: async degrades to sync
+        elif self.impl in ("ring", "hierarchical"):  # blocking: async degrades to sync
             from labkit.collectives.ring_tuned import tuned_all_gather
 
             tuned_all_gather(out_full, in_shard, group=self.group, check=False)
         else:
-            work = _all_gather(out_full, in_shard, group=self.group, async_op=async_op)
+            all_gather = _torch_collective("all_gather_single", "all_gather_into_tensor")
+            work = all_gather(out_full, in_shard, group=self.group, async_op=async_op)
             if async_op:
                 return work
         return _Done()
@@ -97,9 +178,15 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
         """``tensor`` <- SUM over ranks (the DDP baseline). Returns a handle to ``wait()``."""
         self._count("all_reduce", tensor.numel() * tensor.element_size(), factor=2)
+        self._count_links("all_reduce", tensor, (True, True))
         if self.world_size == 1:
             return _Done()
-        if self.impl == "ring":  # labkit's ring is blocking: async degrades to sync
+        if self.impl == "hierarchical":  # blocking: async degrades to sync
+            from labkit.collectives.hierarchical import hierarchical_all_reduce
+
+            assert self.nodes is not None  # checked in __init__
+            hierarchical_all_reduce(tensor, self.nodes, check=False)
+        elif self.impl == "ring":  # labkit's ring is blocking: async degrades to sync
             from labkit.collectives.auto import all_reduce
 
             all_reduce(tensor, group=self.group, check=False)

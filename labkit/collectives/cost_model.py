@@ -16,6 +16,13 @@ path costs ``k * alpha + m * beta``. With ``p`` ranks and ``D`` bytes per rank
 (+2: when ``p`` is not a power of two, the extra ranks fold in and get the result back.)
 Reductions' arithmetic (the ``gamma`` term) is left out: it overlaps the transfers here.
 
+Two link classes (``n`` nodes of ``k`` ranks, ``p = n k``; ``i``: inside a node, ``e``: between
+nodes, ``m`` NICs per node shared by the node's flows):
+
+    flat ring over node-ordered ranks   2(p-1) (alpha + D/p beta), each step at the slower link
+    hierarchical (hierarchical.py)      2(k-1) alpha_i + 2(k-1)/k D beta_i
+                                        + 2(n-1) alpha_e + 2(n-1)/n D/k beta_e * ceil(k/m)
+
 Everything in this module is a plain function of numbers: no processes, testable by hand.
 """
 
@@ -36,6 +43,8 @@ __all__ = [
     "recursive_doubling_steps",
     "recursive_doubling_time",
     "binomial_broadcast_time",
+    "hierarchical_all_reduce_time",
+    "flat_ring_two_level_time",
     "crossover_bytes",
     "busbw_factor",
     "fit_alpha_beta",
@@ -101,6 +110,72 @@ def binomial_broadcast_time(nbytes: float, p: int, alpha: float, beta: float) ->
     """Binomial-tree broadcast: ``ceil(log2 p) * (alpha + D * beta)``."""
     _check(nbytes, p)
     return math.ceil(math.log2(p)) * (alpha + nbytes * beta) if p > 1 else 0.0
+
+
+Link = tuple[float, float]  # (alpha, beta); an AlphaBeta is one
+
+
+def _check_two_level(nbytes: float, nodes: int, ranks_per_node: int, nics_per_node: int) -> None:
+    for name, v in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if nics_per_node < 1:
+        raise ValueError(f"nics_per_node must be >= 1, got {nics_per_node}")
+    _check(nbytes, nodes * ranks_per_node)
+
+
+def hierarchical_all_reduce_time(
+    nbytes: float,
+    nodes: int,
+    ranks_per_node: int,
+    intra: Link,
+    inter: Link,
+    nics_per_node: int = 1,
+) -> float:
+    """Two-level all-reduce of ``D = nbytes`` per rank on ``n = nodes`` nodes of ``k`` ranks.
+
+    Ring reduce-scatter inside the node, ring all-reduce of the ``D/k`` chunk across nodes,
+    ring all-gather inside the node::
+
+        2(k-1) alpha_i + 2(k-1)/k D beta_i  +  2(n-1) alpha_e + 2(n-1)/n (D/k) beta_e ceil(k/m)
+
+    The ``k`` cross-node flows of a node run at once and share its ``m`` NICs, each flow at
+    ``1 / ceil(k/m)`` of a NIC's bandwidth. One NIC (``m = 1``): the node's uplink carries
+    ``2(n-1)/n D`` bytes, the bandwidth term is ``2(n-1)/n D beta_e``. One NIC per rank
+    (``m = k``): ``k`` times less. ``nodes = 1`` is the ring all-reduce on the intra link.
+    """
+    _check_two_level(nbytes, nodes, ranks_per_node, nics_per_node)
+    k, n = ranks_per_node, nodes
+    (ai, bi), (ae, be) = intra, inter
+    sharing = -(-k // nics_per_node)  # flows per NIC
+    inside = 2 * (k - 1) * ai + 2 * (k - 1) / k * nbytes * bi
+    across = 2 * (n - 1) * ae + 2 * (n - 1) / n * (nbytes / k) * be * sharing
+    return inside + across
+
+
+def flat_ring_two_level_time(
+    nbytes: float,
+    nodes: int,
+    ranks_per_node: int,
+    intra: Link,
+    inter: Link,
+    nics_per_node: int = 1,
+) -> float:
+    """A flat ring all-reduce over ``p = n k`` node-ordered ranks on the same two link classes.
+
+    Each of its ``2(p-1)`` steps moves ``D/p`` bytes over every link of the ring at once and
+    ends when the slowest does: with ``nodes > 1`` one flow per node crosses to the next node,
+    so a step costs ``max(alpha_e + D/p beta_e, alpha_i + D/p beta_i)``. Only one flow leaves
+    a node, so extra NICs do not help it (``nics_per_node`` is accepted for symmetry).
+    ``nodes = 1`` is the ring all-reduce on the intra link.
+    """
+    _check_two_level(nbytes, nodes, ranks_per_node, nics_per_node)
+    p = nodes * ranks_per_node
+    (ai, bi), (ae, be) = intra, inter
+    step = ai + nbytes / p * bi
+    if nodes > 1:
+        step = max(step, ae + nbytes / p * be)
+    return 2 * (p - 1) * step
 
 
 def crossover_bytes(p: int, alpha: float, beta: float) -> float:
