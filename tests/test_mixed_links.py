@@ -4,6 +4,7 @@ miniature whose every layout, the wrong placement included, trains like one proc
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,7 @@ from labkit.labs.mixed_links import (
     comm_by_link,
     predict_miniature,
     rank_layouts,
+    run_miniature,
     slow_link_scan,
     traffic,
     train_layouts,
@@ -167,6 +169,8 @@ def test_miniature_prediction_uses_the_measured_links() -> None:
     assert pp.time["dp_comm"] == 0 and pp.time["pp_comm"] > 0
     with pytest.raises(ValueError, match="world_size=6 is not divisible by ranks_per_node=4"):
         MiniConfig(ranks_per_node=4).check(6)
+    with pytest.raises(ValueError, match="world_size=4 on 4 nodes is not ranks_per_node=2"):
+        run_miniature(cfg, world_size=4, cluster=SimpleNamespace(nodes=4))  # before launching
     with pytest.raises(ValueError, match="order 'tp-pp-dp'"):
         MiniLayout("bad", ParallelDegrees(2, 2), order="tp-pp-dp")
 

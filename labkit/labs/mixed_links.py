@@ -19,7 +19,7 @@ Two halves, one vocabulary (dp, tp, pp; Megatron's rank order, tp innermost):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -151,12 +151,11 @@ class MiniConfig:
     steps: int = 4
     probe_sizes: tuple[int, ...] = (1, 1 << 14, 1 << 18)
     repeats: int = 5
-    lab: dict[str, Any] = field(default_factory=dict)  # extra LabConfig fields
 
     def lab_config(self, layout: MiniLayout) -> LabConfig:
         three = ThreeDConfig(layout.degrees, self.micro_batches, self.micro_batch)
         return LabConfig(model=self.model, threed=three, steps=self.steps,
-                         seq=self.model.block_size, **self.lab)  # fmt: skip
+                         seq=self.model.block_size)  # fmt: skip
 
     def check(self, world_size: int) -> None:
         """Every layout valid on ``world_size`` ranks and the nodes whole, before launching."""
@@ -231,6 +230,11 @@ def run_miniature(
     cfg.check(world_size)
     options: dict[str, Any] = {}
     if cluster is not None:
+        if world_size != cluster.nodes * cfg.ranks_per_node:
+            raise ValueError(
+                f"world_size={world_size} on {cluster.nodes} nodes is not "
+                f"ranks_per_node={cfg.ranks_per_node} ranks a node"
+            )
         options["cluster"] = cluster
     return launch(train_layouts, cfg, world_size=world_size, timeout=timeout, quiet=True,
                   backend="gloo", **options)  # fmt: skip
