@@ -20,7 +20,7 @@ time (one iteration)
     tp comm        per layer and micro-batch 2 all-reduces forward + 2 backward (+2 recomputed)
                    of b s h x 2 bytes, ring over t ranks (on the fast link when t fits a node);
     pp comm        per micro-batch and boundary, b s h x 2 bytes forward and backward, split t
-                   ways (Megatron's scatter/gather); on the slow link once dp x t fills a node;
+                   ways (Megatron's scatter/gather); on the slow link once the pipeline spans nodes;
     dp comm        all-reduce (or ZeRO's reduce-scatter + all-gather; ZeRO-3 adds a gather) of
                    the stage's 16-bit gradients (2 P_stage bytes) over dp ranks, not overlapped
                    (a conservative bound); a flat ring, or hierarchical across nodes.
