@@ -187,6 +187,9 @@ def test_every_miniature_layout_trains_like_one_process() -> None:
         got = results[-1]["runs"][layout.name]["losses"]  # rank 3 holds the last stage
         assert got == pytest.approx(want, rel=1e-5), layout.name
         assert len(results[0]["runs"][layout.name]["times"]) == cfg.steps - 1
+    # the placements are what their names say: 2 ranks a node, so 0 and 1 share node 0
+    tp_of_rank0 = [results[0]["runs"][layout.name]["tp_ranks"] for layout in cfg.layouts]
+    assert tp_of_rank0 == [[0, 1], [0, 1], [0, 2]]
     # negative control: the reference with one replica's data differs from the dp=2 run
     half = reference(cfg.lab_config(cfg.layouts[0]), replicas=1)["losses"]
     assert half[0] != pytest.approx(results[-1]["runs"][cfg.layouts[0].name]["losses"][0])

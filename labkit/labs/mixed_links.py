@@ -188,7 +188,8 @@ def ordered_layout(degrees: ParallelDegrees, order: str) -> Layout:
 def train_layouts(cfg: MiniConfig) -> dict[str, Any]:
     """On every rank: measure the links, then train every layout, interleaved step by step
     (the machine's drift hits all alike); per layout, this rank's step seconds (warm-up
-    dropped), its parts (``ThreeD.last``) and the global loss (on the last stage, else None)."""
+    dropped), its parts (``ThreeD.last``), the global loss (on the last stage, else None)
+    and the global ranks of its tp group."""
     links = measure_links(cfg.ranks_per_node, cfg.probe_sizes, cfg.repeats)
     labs = [cfg.lab_config(layout) for layout in cfg.layouts]
     jobs = [
@@ -197,8 +198,10 @@ def train_layouts(cfg: MiniConfig) -> dict[str, Any]:
         for lab, layout in zip(labs, cfg.layouts)
     ]  # fmt: skip
     runs: dict[str, dict[str, list[Any]]] = {
-        layout.name: {"times": [], "parts": [], "losses": []} for layout in cfg.layouts
-    }
+        layout.name: {"times": [], "parts": [], "losses": [],
+                      "tp_ranks": dist.get_process_group_ranks(job.layout.tp_group)}
+        for layout, job in zip(cfg.layouts, jobs)
+    }  # fmt: skip
     for step in range(cfg.steps):
         for lab, layout, job in zip(labs, cfg.layouts, jobs):
             d, m = job.dp_rank, lab.threed.micro_batches
