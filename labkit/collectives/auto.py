@@ -64,12 +64,15 @@ def all_reduce(
     choice: AllReduceChoice = AllReduceChoice(),  # noqa: B008 (frozen: safe as a default)
     check: bool = True,
     pool: BufferPool = DEFAULT_POOL,
+    wire: str = "accum",
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place with the algorithm ``choice`` picks for its size.
 
     Same contract as :func:`labkit.collectives.ring.ring_all_reduce`. Every rank picks the same
-    algorithm, because validation makes every rank agree on the size first.
+    algorithm, because validation makes every rank agree on the size first. ``wire``: what
+    16-bit partials travel as, "accum" (float32, one rounding) or "input" (16 bits, a
+    rounding per hop); the bytes and error bounds are in ``ring_tuned.py``.
     """
     if choice.algorithm(tensor.numel() * tensor.element_size()) == "ring":
-        return tuned_all_reduce(tensor, op, group, check=check, pool=pool)
-    return recursive_doubling_all_reduce(tensor, op, group, check=check, pool=pool)
+        return tuned_all_reduce(tensor, op, group, check=check, pool=pool, wire=wire)
+    return recursive_doubling_all_reduce(tensor, op, group, check=check, pool=pool, wire=wire)

@@ -11,6 +11,9 @@ Kept apart so that ``naive.py``, ``ring.py`` and ``tree.py`` each read as one al
 * **Precision.** float16/bfloat16 are reduced in float32 (:func:`accum_dtype`): partial
   results travel and are added in float32, and the result is rounded to the input dtype once.
   float32/float64 are reduced in their own dtype.
+* **Wire.** ``wire="accum"`` (the default, above) or ``wire="input"``: 16-bit partials
+  travel in their own dtype, each hop adds in float32 and rounds back (as NCCL does), half
+  the bytes of the reduce phase (:func:`wire_dtype`; the bounds are in ``ring_tuned.py``).
 * **Chunks.** ``n`` elements over ``p`` ranks split like ``torch.tensor_split``: the first
   ``n % p`` chunks hold one extra element. A chunk may be empty (``n < p``); empty chunks are
   never sent, and both ends of a link know that because every rank agrees on ``n``.
@@ -47,6 +50,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "BufferPool",
     "DEFAULT_POOL",
+    "WIRES",
     "accum_dtype",
     "chunk_sizes",
     "chunk_offsets",
@@ -61,6 +65,8 @@ __all__ = [
     "validate",
     "validate_in_place",
     "validate_sharded",
+    "wire_dtype",
+    "wire_fields",
 ]
 
 SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN)
@@ -78,6 +84,25 @@ def op_name(op: object) -> str:
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results are added in: float32 for 16-bit floats, else the dtype itself."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+WIRES = ("accum", "input")  # what 16-bit partials travel as: float32, or their own dtype
+
+
+def wire_dtype(dtype: torch.dtype, wire: str = "accum") -> torch.dtype:
+    """The dtype partials travel and are added in: :func:`accum_dtype` for ``wire="accum"``,
+    the input dtype itself for ``wire="input"`` (each hop then rounds to it)."""
+    if wire not in WIRES:
+        raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
+    return accum_dtype(dtype) if wire == "accum" else dtype
+
+
+def wire_fields(what: str, wire: str) -> tuple[str | None, dict[str, int]]:
+    """``wire`` for :func:`validate`: this rank's problem with it (or None), and the field
+    every rank must agree on (a rank sending float32 partials to one expecting 16-bit ones
+    would receive garbage or hang)."""
+    problem = None if wire in WIRES else f"{what}: wire must be one of {WIRES}, got {wire!r}"
+    return problem, {"wire (index in accum, input)": WIRES.index(wire) if not problem else -1}
 
 
 def chunk_sizes(n: int, p: int) -> list[int]:
@@ -322,17 +347,29 @@ def validate_sharded(
     shard: str,
     *,
     op: object | None = None,
+    problem: str | None = None,
     check: bool = True,
     pool: BufferPool = DEFAULT_POOL,
+    fields: dict[str, int] | None = None,
 ) -> None:
     """:func:`validate` for a reduce-scatter or an all-gather: ``tensors[shard]`` must hold
     exactly chunk ``rank`` of ``tensors[full]`` (:func:`chunk_sizes`), and every rank must
-    agree on the full size."""
+    agree on the full size (and on ``fields``)."""
     rank, p = group_rank_and_size(group)
     n = tensors[full].numel()
     expected = {shard: chunk_sizes(n, p)[rank]}
-    fields = {f"numel of {full}": n}
-    validate(what, group, tensors, fields, op=op, check=check, pool=pool, expected_numel=expected)
+    sizes = {f"numel of {full}": n, **(fields or {})}
+    validate(
+        what,
+        group,
+        tensors,
+        sizes,
+        op=op,
+        problem=problem,
+        check=check,
+        pool=pool,
+        expected_numel=expected,
+    )
 
 
 def validate_in_place(

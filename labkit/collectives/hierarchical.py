@@ -38,7 +38,11 @@ input dtype once, before the all-gather. Error against the exact sum ``s`` of ``
 with ``S = sum |x_i|``: at most ``eps * |s| + (p-1) * eps32 * S`` (eps of the input dtype;
 AVG divides both by ``p``); float32/float64 are summed in their own dtype, ``(p-1) eps S``.
 The price: 16-bit partials travel as float32 in phases 1 and 2 (twice the bytes of a native
-16-bit ring), as in ``ring_tuned.py``.
+16-bit ring), as in ``ring_tuned.py``. ``wire="input"`` sends them in 16 bits instead (each hop
+adds in float32 and rounds back, as NCCL does): phases 1 and 2 move half the bytes, phase 2's
+are the ones that cross the slow links, and the ``p - 1`` additions on the way each round once,
+``|error| <= (p-1) u S`` to first order (``u``: the unit roundoff, 2**-8 for bfloat16; AVG one
+more rounding). The default stays "accum" because its error does not grow with ``p``.
 
 NCCL safety: every step of every phase is one ``dist.batch_isend_irecv`` (``common.post``),
 except the fold-in/hand-back of recursive doubling on a non-power-of-two node count
@@ -61,8 +65,9 @@ from labkit.collectives.auto import AllReduceChoice, all_reduce
 from labkit.collectives.common import (
     DEFAULT_POOL,
     BufferPool,
-    accum_dtype,
     validate_in_place,
+    wire_dtype,
+    wire_fields,
 )
 from labkit.collectives.ring import ring_all_gather
 from labkit.collectives.ring_tuned import BLOCK_BYTES, _reduce_scatter, _Ring
@@ -152,40 +157,45 @@ def hierarchical_all_reduce(
     pool: BufferPool = DEFAULT_POOL,
     choice: AllReduceChoice = AllReduceChoice(),  # noqa: B008 (frozen: safe as a default)
     block: int = BLOCK_BYTES,
+    wire: str = "accum",
 ) -> torch.Tensor:
     """All-reduce ``tensor`` over the whole world in place, in two levels (module docstring).
 
     Same contract as :func:`labkit.collectives.ring.ring_all_reduce`: contiguous float
     tensor of any shape (0-d, empty, fewer elements than ranks), SUM/AVG/MAX/MIN, equal to
     ``dist.all_reduce``. ``choice`` picks the cross-node algorithm by the chunk's size;
-    ``block`` is the tuned ring's piece size. ``check=True`` validates once across the world.
+    ``block`` is the tuned ring's piece size; ``wire``: what 16-bit partials travel as in
+    phases 1 and 2 ("accum": float32; "input": 16 bits). ``check=True`` validates once across
+    the world.
     """
+    problem, fields = wire_fields("hierarchical_all_reduce", wire)
     validate_in_place(
         "hierarchical_all_reduce",
         None,
         tensor,
         op=op,
-        problem=groups.problem(),
+        problem=groups.problem() or problem,
         check=check,
         pool=pool,
         ranks_per_node=groups.ranks_per_node,
+        **fields,
     )
     flat = tensor.view(-1)  # (n,)
-    n, acc = flat.numel(), accum_dtype(tensor.dtype)
+    n, acc = flat.numel(), wire_dtype(tensor.dtype, wire)
     if n == 0:
         return tensor
     ring = _Ring(n, tensor.element_size(), groups.intra, block)
     mine = ring.chunk(flat, ring.rank)  # my chunk of the tensor, a view
     # the chunk that carries partials through phases 1 and 2: the tensor's own chunk, or a
-    # float32 staging chunk for 16-bit inputs (they are rounded once, after phase 2)
+    # float32 staging chunk for 16-bit inputs with wire="accum" (rounded once, after phase 2)
     work = mine if acc == tensor.dtype else pool.get("hier.chunk", mine.numel(), acc, flat.device)
     sum_op = ReduceOp.SUM if op == ReduceOp.AVG else op  # AVG divides once, at the end
     if ring.p > 1:  # 1. reduce-scatter inside the node
-        _reduce_scatter(ring, work, flat, sum_op, pool)
+        _reduce_scatter(ring, work, flat, sum_op, pool, wire)
     elif work is not mine:
         work.copy_(mine)
     if groups.nodes > 1 and work.numel():  # 2. all-reduce my chunk across nodes
-        all_reduce(work, sum_op, groups.inter, choice=choice, check=False, pool=pool)
+        all_reduce(work, sum_op, groups.inter, choice=choice, check=False, pool=pool, wire=wire)
     if op == ReduceOp.AVG:
         work.div_(groups.world_size)
     if work is not mine:

@@ -13,7 +13,9 @@ the flat tensor into ``p`` chunks like ``torch.tensor_split`` (chunk c may be em
 Arithmetic: each rank sends ``p - 1`` chunks of ``D/p`` bytes per phase, ``2(p-1)/p * D`` for
 the all-reduce, which no algorithm can beat; the price is ``2(p-1)`` latencies (``tree.py``).
 Each step's send and receive go out as one batch (``common.post``), safe under NCCL.
-16-bit floats are added in float32 and rounded once. Ops: SUM, AVG, MAX, MIN. This file is
+16-bit floats are added in float32 and rounded once (``wire="accum"``), or travel in 16 bits and
+are rounded at every hop (``wire="input"``: half the reduce bytes, ``p - 1`` roundings; the
+bounds are in ``ring_tuned.py``). Ops: SUM, AVG, MAX, MIN. This file is
 the algorithm, to be read; ``ring_tuned.py`` is the same schedule made fast.
 """
 
@@ -25,11 +27,14 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
 from labkit.collectives.common import (
-    accum_dtype,
+    DEFAULT_POOL,
+    BufferPool,
     combine_,
     exchange,
     validate_in_place,
     validate_sharded,
+    wire_dtype,
+    wire_fields,
 )
 from labkit.parallel.layout import global_rank, group_rank_and_size
 
@@ -44,6 +49,32 @@ def _neighbours(group: ProcessGroup | None) -> tuple[int, int, int, int]:
     return rank, p, global_rank(group, (rank + 1) % p), global_rank(group, (rank - 1) % p)
 
 
+def validate_reduce_scatter(
+    output_shard: torch.Tensor,
+    input_full: torch.Tensor,
+    op: object,
+    group: ProcessGroup | None,
+    check: bool,
+    wire: str,
+    pool: BufferPool = DEFAULT_POOL,
+) -> None:
+    """The checks of a ring reduce-scatter (``common.validate``), ``wire`` included."""
+    tensors = {"output_shard": output_shard, "input_full": input_full}
+    problem, fields = wire_fields("ring_reduce_scatter", wire)
+    validate_sharded(
+        "ring_reduce_scatter",
+        group,
+        tensors,
+        "input_full",
+        "output_shard",
+        op=op,
+        problem=problem,
+        check=check,
+        pool=pool,
+        fields=fields,
+    )
+
+
 def ring_reduce_scatter(
     output_shard: torch.Tensor,
     input_full: torch.Tensor,
@@ -52,15 +83,14 @@ def ring_reduce_scatter(
     *,
     check: bool = True,
     trace: Trace | None = None,
+    wire: str = "accum",
 ) -> torch.Tensor:
-    """``output_shard`` <- chunk ``rank`` of ``input_full`` reduced over ``group``."""
+    """``output_shard`` <- chunk ``rank`` of ``input_full`` reduced over ``group``; partials
+    travel in float32 (``wire="accum"``) or in the input dtype (``"input"``)."""
     rank, p, right, left = _neighbours(group)
-    tensors = {"output_shard": output_shard, "input_full": input_full}
-    validate_sharded(
-        "ring_reduce_scatter", group, tensors, "input_full", "output_shard", op=op, check=check
-    )
+    validate_reduce_scatter(output_shard, input_full, op, group, check, wire)
     chunks = input_full.reshape(-1).tensor_split(p)  # p views, chunk c = what rank c will own
-    partial = chunks[(rank - 1) % p].to(accum_dtype(input_full.dtype), copy=True)
+    partial = chunks[(rank - 1) % p].to(wire_dtype(input_full.dtype, wire), copy=True)
     for step in range(p - 1):
         c = (rank - step - 2) % p  # the chunk whose partial arrives at this step
         incoming = torch.empty(chunks[c].numel(), dtype=partial.dtype, device=partial.device)
@@ -70,7 +100,7 @@ def ring_reduce_scatter(
             trace("reduce-scatter", step, c, partial)
     if op == ReduceOp.AVG:
         partial.div_(p)
-    output_shard.view(-1).copy_(partial)  # the one rounding to a 16-bit dtype
+    output_shard.view(-1).copy_(partial)  # "accum": the one rounding to a 16-bit dtype
     return output_shard
 
 
@@ -104,10 +134,21 @@ def ring_all_reduce(
     *,
     check: bool = True,
     trace: Trace | None = None,
+    wire: str = "accum",
 ) -> torch.Tensor:
     """``tensor`` <- reduced over ``group``, in place: reduce-scatter into my chunk, all-gather."""
     rank, p, _, _ = _neighbours(group)
-    validate_in_place("ring_all_reduce", group, tensor, op=op, check=check)
+    problem, fields = wire_fields("ring_all_reduce", wire)
+    validate_in_place(
+        "ring_all_reduce",
+        group,
+        tensor,
+        op=op,
+        problem=problem,
+        check=check,
+        pool=DEFAULT_POOL,
+        **fields,
+    )
     mine = tensor.view(-1).tensor_split(p)[rank]  # my chunk is read at the last step only
-    ring_reduce_scatter(mine, tensor, op, group, check=False, trace=trace)
+    ring_reduce_scatter(mine, tensor, op, group, check=False, trace=trace, wire=wire)
     return ring_all_gather(tensor, mine, group, check=False, trace=trace)

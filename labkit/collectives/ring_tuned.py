@@ -15,8 +15,23 @@ Read ``ring.py`` first: this file changes how the messages move, never which chu
 * **No allocation per call.** Partials live in two chunk-sized buffers of a
   :class:`~labkit.collectives.common.BufferPool`, used alternately (receive into one while the
   other is sent). The last step adds straight into the output when no staging is needed.
-* **fp32 staging.** float16/bfloat16 partials travel and are added in float32 and rounded once,
-  so the reduce-scatter moves twice the bytes of a 16-bit ring but is within 1 ulp of the sum.
+* **What travels** (``wire=``, for float16/bfloat16; float32/float64 are the same either way).
+  ``p`` ranks, exact sum ``s``, ``S = sum |x_i|``, ``u`` the format's unit roundoff
+  (``eps / 2``: 2**-11 for float16, 2**-8 for bfloat16)::
+
+      wire="accum"  partials travel and are added in float32, rounded to 16 bits once:
+                    |error| <= u |s| + (p-1) u32 S              reduce phase: 4 bytes/element
+      wire="input"  partials travel in 16 bits; each hop adds in float32 and rounds back
+                    (what NCCL and gloo do): (p-1) roundings,
+                    |error| <= (p-1) u S  (to first order)       reduce phase: 2 bytes/element
+
+  AVG adds one rounding of the result (``u |s| / p``) in "input" mode. Why "accum" stays
+  the default: its error does not grow with ``p`` (on 64 ranks bfloat16 "input" may be off by
+  ``63 * 2**-8 = 25%`` of ``S``, "accum" by one rounding), and a collective should not make a
+  gradient worse than the dtype the caller chose; the price is twice the bytes in the
+  reduce phase (the all-gather moves the rounded result, 16 bits, in both modes).
+  ``wire="input"`` is for callers that cut bytes on purpose (gradient compression across
+  slow links) and accept the per-hop rounding, as with ``torch.distributed``.
 * **NCCL-safe.** Each step is one ``dist.batch_isend_irecv`` batch
   (:func:`~labkit.collectives.common.post`) whose partner batch, on the neighbour, holds the
   matching messages in the same order: piece k on the sender is piece k on the receiver,
@@ -31,7 +46,6 @@ from torch.distributed import ProcessGroup, ReduceOp
 from labkit.collectives.common import (
     DEFAULT_POOL,
     BufferPool,
-    accum_dtype,
     chunk_offsets,
     chunk_sizes,
     combine_,
@@ -40,8 +54,10 @@ from labkit.collectives.common import (
     post,
     validate_in_place,
     validate_sharded,
+    wire_dtype,
+    wire_fields,
 )
-from labkit.collectives.ring import ring_all_gather
+from labkit.collectives.ring import ring_all_gather, validate_reduce_scatter
 
 __all__ = ["tuned_reduce_scatter", "tuned_all_gather", "tuned_all_reduce", "BLOCK_BYTES"]
 
@@ -76,16 +92,17 @@ def _reduce_scatter(
     inp: torch.Tensor,
     op: object,
     pool: BufferPool,
+    wire: str = "accum",
 ) -> None:
     """Ring reduce-scatter of flat ``inp`` into flat ``out`` (chunk ``rank``); AVG divides here.
 
     ``out`` may alias ``inp``'s own chunk: that chunk is read only at the last step, each piece
-    before that piece is written.
+    before that piece is written. Partials travel in ``wire_dtype(inp.dtype, wire)``.
     """
-    p, rank, acc = ring.p, ring.rank, accum_dtype(inp.dtype)
+    p, rank, acc = ring.p, ring.rank, wire_dtype(inp.dtype, wire)
     bufs = [pool.get(f"ring.rs{i}", ring.size[0], acc, inp.device) for i in (0, 1)]
     send = ring.chunk(inp, (rank - 1) % p)
-    if acc != inp.dtype:  # partials travel in float32: stage our first chunk there too
+    if acc != inp.dtype:  # partials travel in float32 ("accum"): stage our first chunk there too
         send = bufs[1][: send.numel()].copy_(send)
     for s in range(p - 1):
         c = (rank - s - 2) % p  # the chunk whose partial arrives at this step
@@ -103,7 +120,7 @@ def _reduce_scatter(
             work.wait()  # reduce this piece while the next ones are still arriving
             if direct:  # the last partial plus ours goes straight into the output
                 torch.add(got, own, out=result)
-            else:
+            else:  # float32 partials ("accum"), or 16-bit ones rounded back at each hop ("input")
                 combine_(got, own, op)
             if last:
                 if op == ReduceOp.AVG:
@@ -124,25 +141,17 @@ def tuned_reduce_scatter(
     check: bool = True,
     pool: BufferPool = DEFAULT_POOL,
     block: int = BLOCK_BYTES,
+    wire: str = "accum",
 ) -> torch.Tensor:
-    """Same contract as :func:`labkit.collectives.ring.ring_reduce_scatter`."""
-    tensors = {"output_shard": output_shard, "input_full": input_full}
-    validate_sharded(
-        "ring_reduce_scatter",
-        group,
-        tensors,
-        "input_full",
-        "output_shard",
-        op=op,
-        check=check,
-        pool=pool,
-    )
+    """Same contract as :func:`labkit.collectives.ring.ring_reduce_scatter`; ``wire``: what
+    16-bit partials travel as (module docstring: bytes and error bound of each)."""
+    validate_reduce_scatter(output_shard, input_full, op, group, check, wire, pool)
     ring = _Ring(input_full.numel(), input_full.element_size(), group, block)
     n = input_full.numel()
     if ring.p == 1:
         output_shard.view(-1).copy_(input_full.view(-1))
     elif n > 0:
-        _reduce_scatter(ring, output_shard.view(-1), input_full.view(-1), op, pool)
+        _reduce_scatter(ring, output_shard.view(-1), input_full.view(-1), op, pool, wire)
     return output_shard
 
 
@@ -174,12 +183,17 @@ def tuned_all_reduce(
     check: bool = True,
     pool: BufferPool = DEFAULT_POOL,
     block: int = BLOCK_BYTES,
+    wire: str = "accum",
 ) -> torch.Tensor:
-    """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`."""
+    """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`; ``wire`` as in
+    :func:`tuned_reduce_scatter` (the all-gather moves the 16-bit result either way)."""
     ring = _Ring(tensor.numel(), tensor.element_size(), group, block)
-    validate_in_place("ring_all_reduce", group, tensor, op=op, check=check, pool=pool)
+    problem, fields = wire_fields("ring_all_reduce", wire)
+    validate_in_place(
+        "ring_all_reduce", group, tensor, op=op, problem=problem, check=check, pool=pool, **fields
+    )
     if ring.p == 1 or tensor.numel() == 0:
         return tensor
     mine = ring.chunk(tensor.view(-1), ring.rank)
-    _reduce_scatter(ring, mine, tensor.view(-1), op, pool)
+    _reduce_scatter(ring, mine, tensor.view(-1), op, pool, wire)
     return ring_all_gather(tensor, mine, group, check=False)

@@ -35,12 +35,13 @@ from torch.distributed import ProcessGroup, ReduceOp
 from labkit.collectives.common import (
     DEFAULT_POOL,
     BufferPool,
-    accum_dtype,
     combine_,
     exchange,
     global_rank,
     group_rank_and_size,
     validate_in_place,
+    wire_dtype,
+    wire_fields,
 )
 
 __all__ = ["recursive_doubling_all_reduce", "broadcast"]
@@ -80,19 +81,33 @@ def recursive_doubling_all_reduce(
     *,
     check: bool = True,
     pool: BufferPool = DEFAULT_POOL,
+    wire: str = "accum",
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place in ``log2 p`` steps (latency-optimal, bandwidth-poor).
 
     Same contract as :func:`labkit.collectives.ring.ring_all_reduce`: contiguous float tensor
-    of any shape (0-d and empty included), SUM/AVG/MAX/MIN, 16-bit floats reduced in float32
-    and rounded once. ``check=True``: :func:`~labkit.collectives.common.validate` first.
+    of any shape (0-d and empty included), SUM/AVG/MAX/MIN. 16-bit floats are reduced in
+    float32 and rounded once (``wire="accum"``), or swapped in 16 bits and rounded after every
+    step (``wire="input"``: half the bytes; ``ceil(log2 p)`` roundings on the way, at most
+    ``p - 1``, so within the bound stated in ``ring_tuned.py``; partners still add the same two
+    operands, so every rank stays bit-identical). ``check=True``: validate first.
     """
-    validate_in_place("recursive_doubling_all_reduce", group, tensor, op=op, check=check, pool=pool)
+    problem, fields = wire_fields("recursive_doubling_all_reduce", wire)
+    validate_in_place(
+        "recursive_doubling_all_reduce",
+        group,
+        tensor,
+        op=op,
+        problem=problem,
+        check=check,
+        pool=pool,
+        **fields,
+    )
     _, p = group_rank_and_size(group)
     flat = tensor.view(-1)
-    acc = accum_dtype(tensor.dtype)
+    acc = wire_dtype(tensor.dtype, wire)
     work = flat
-    if acc != tensor.dtype:  # 16-bit floats: reduce in float32, round once at the end
+    if acc != tensor.dtype:  # 16-bit floats, "accum": reduce in float32, round once at the end
         work = pool.get("rd.work", flat.numel(), acc, flat.device).copy_(flat)
     _recursive_doubling_(work, op, group, pool)
     if op == ReduceOp.AVG:

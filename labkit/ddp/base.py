@@ -35,6 +35,10 @@ Communication goes through a :class:`labkit.collectives.Comm`: ``Comm(group)`` i
 all-reduce, ``Comm(group, impl="ring")`` labkit's own ring; the wrapper never calls
 ``torch.distributed`` collectives directly (only the start-up broadcast).
 
+Compression: ``OverlappedDDP(net, compression=PowerSGD(rank=2))`` (or ``Fp16Compression()``,
+any variant) hands each packed buffer to :mod:`labkit.ddp.compression` instead of the plain
+all-reduce; it still communicates only through ``self.comm`` and returns the *mean*.
+
 Awkward parameters, handled by every variant:
 
 * **frozen** (``requires_grad=False``): broadcast at start, never reduced.
@@ -64,6 +68,7 @@ from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
 from labkit.collectives.comm import Comm
+from labkit.ddp.compression import Compression
 from labkit.parallel.layout import global_rank
 
 
@@ -83,7 +88,9 @@ class DataParallel(nn.Module):
     ``group``: the process group the gradients are averaged over (None = WORLD).
     ``comm``: the collectives used (default ``Comm(group)``, PyTorch's); its group must be
     ``group``. ``record_events``: keep a timeline of the last step in :attr:`events` (host
-    clock; on CUDA the all-reduce ends are completion callbacks). A variant adds one method,
+    clock; on CUDA the all-reduce ends are completion callbacks). ``compression``: a
+    :class:`~labkit.ddp.compression.Compression` (one per wrapper) that averages each buffer
+    in fewer bytes, or None for the exact all-reduce. A variant adds one method,
     ``finish_gradient_sync()``: average the gradients; call it after the last backward.
     """
 
@@ -94,8 +101,14 @@ class DataParallel(nn.Module):
         group: ProcessGroup | None = None,
         comm: Comm | None = None,
         record_events: bool = False,
+        compression: Compression | None = None,
     ):
         super().__init__()
+        if compression is not None and not isinstance(compression, Compression):
+            raise TypeError(
+                "compression must be a labkit.ddp.compression.Compression (Fp16Compression(), "
+                f"PowerSGD(...)) or None, got {compression!r}"
+            )
         if not dist.is_initialized():
             raise RuntimeError(
                 f"{type(self).__name__} needs torch.distributed initialised "
@@ -110,12 +123,14 @@ class DataParallel(nn.Module):
         self.group = self.comm.group
         self.world_size = dist.get_world_size(self.group)
         self.record_events = record_events
+        self.compression = compression
         self.events: list[Event] = []
         self.elements_reduced = 0  # summed over the last sync: proves tied weights go once
         self.require_sync = True
         self._t0 = time.perf_counter()
         self._comm_thread: ThreadPoolExecutor | None = None
         self._comm_buffers: dict[tuple[int, ...], torch.Tensor] = {}
+        self._buffer_params: dict[int, list[nn.Parameter]] = {}  # id(buffer) -> what it packs
 
         # The trainable parameters, each once, in registration order (~ order of use in
         # forward). Frozen ones are broadcast but never reduced.
@@ -187,6 +202,7 @@ class DataParallel(nn.Module):
         if buf is None:  # allocated once and reused: a fresh buffer per step pays page faults
             buf = torch.empty(n + len(params), dtype=params[0].dtype, device=params[0].device)
             self._comm_buffers[key] = buf
+            self._buffer_params[id(buf)] = params
         offset = 0
         for i, p in enumerate(params):
             view = buf[offset : offset + p.numel()]
@@ -199,7 +215,10 @@ class DataParallel(nn.Module):
         return buf
 
     def unpack(self, buf: torch.Tensor, params: list[nn.Parameter]) -> None:
-        """Write the averaged gradients back; a parameter no rank used keeps ``grad=None``."""
+        """Write the averaged gradients back; a parameter no rank used keeps ``grad=None``.
+
+        ``buf`` holds the SUM over ranks, or, after a compression, already the mean."""
+        divisor = self.world_size if self.compression is None else 1
         n = buf.numel() - len(params)
         used = buf[n:].tolist()
         offset = 0
@@ -209,27 +228,30 @@ class DataParallel(nn.Module):
             if used[i] == 0:
                 p.grad = None
             elif p.grad is None:
-                p.grad = total / self.world_size
+                p.grad = total / divisor
             else:  # divide while copying back: one pass over the gradient, not two
-                torch.div(total, self.world_size, out=p.grad)
+                torch.div(total, divisor, out=p.grad)
         self.elements_reduced += n
 
     # ---- communication ---------------------------------------------------------------------
 
     def all_reduce(self, buf: torch.Tensor, name: str) -> None:
-        """A blocking SUM all-reduce of ``buf`` through ``self.comm``, recorded on the timeline."""
+        """A blocking SUM all-reduce of ``buf`` through ``self.comm`` (with ``compression``: the
+        mean, see :meth:`_reduce`), recorded on the timeline."""
         start = self.now()
-        self.comm.all_reduce(buf)
+        self._reduce(buf)
         if self.record_events:
             self.events.append(Event("allreduce", name, start, self.now()))
 
     def start_allreduce(self, buf: torch.Tensor, name: str) -> Pending:
-        """Start a SUM all-reduce of ``buf`` without waiting; ``.wait()`` on the result ends it.
+        """Start :meth:`all_reduce`'s work on ``buf`` without waiting; ``.wait()`` on the result
+        ends it.
 
         PyTorch's collective (``comm.impl == "torch"``) is asynchronous: gloo runs it on its
-        own threads (NCCL on its own CUDA stream) while backward goes on. labkit's ring is
-        blocking, so it runs on one background thread: a FIFO "communication stream" that
-        keeps the order of collectives identical on every rank.
+        own threads (NCCL on its own CUDA stream) while backward goes on. labkit's ring and
+        a compression (collectives with computation between them) are blocking, so they run
+        on one background thread: a FIFO "communication stream" that keeps the order of
+        collectives identical on every rank.
         """
         event = Event("allreduce", name, self.now(), float("nan"))
         if self.record_events:
@@ -238,20 +260,34 @@ class DataParallel(nn.Module):
         def done(*_: Any) -> None:
             event.end = self.now()
 
-        if self.comm.impl == "torch":
+        if self.comm.impl == "torch" and self.compression is None:
             work = self.comm.all_reduce(buf, async_op=True)
             if self.record_events and hasattr(work, "get_future"):
                 work.get_future().add_done_callback(done)
             return Pending(work.wait, event, self.now)
         if self._comm_thread is None:
             self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="labkit-comm")
-        future = self._comm_thread.submit(self.comm.all_reduce, buf)
+        future = self._comm_thread.submit(self._reduce, buf)
         if self.record_events:
             future.add_done_callback(done)
         return Pending(future.result, event, self.now)
 
+    def _reduce(self, buf: torch.Tensor) -> None:
+        """Blocking: the SUM all-reduce, or the compression's mean of a buffer from ``pack``."""
+        if self.compression is None:
+            self.comm.all_reduce(buf)
+            return
+        params = self._buffer_params.get(id(buf))
+        if params is None:
+            raise ValueError("with compression, all-reduce only buffers made by self.pack(...)")
+        self.compression.all_reduce_mean(buf, params, self.comm)
+
     def extra_repr(self) -> str:
-        return f"world_size={self.world_size}, params={len(self.params)}, comm={self.comm.impl}"
+        extra = "" if self.compression is None else f", compression={self.compression!r}"
+        return (
+            f"world_size={self.world_size}, params={len(self.params)}, comm={self.comm.impl}"
+            + extra
+        )
 
 
 class Pending:

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from labkit.collectives.comm import Comm
 from labkit.ddp.base import DataParallel
+from labkit.ddp.compression import Compression
 
 
 def partition_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
@@ -76,9 +77,12 @@ class BucketedDDP(DataParallel):
         group: ProcessGroup | None = None,
         comm: Comm | None = None,
         record_events: bool = False,
+        compression: Compression | None = None,
     ):
         cap = bucket_cap_bytes(bucket_cap_mb)
-        super().__init__(module, group=group, comm=comm, record_events=record_events)
+        super().__init__(
+            module, group=group, comm=comm, record_events=record_events, compression=compression
+        )
         self.bucket_cap_mb = bucket_cap_mb
         self.buckets = make_buckets(self.params, cap)
 

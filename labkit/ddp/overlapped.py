@@ -46,7 +46,8 @@ class OverlappedDDP(DataParallel):
     """Buckets of ``bucket_cap_mb`` whose all-reduces start from gradient hooks, in order."""
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 1.0, **options: Any):
-        """``options``: ``group``, ``comm``, ``record_events``, as for :class:`DataParallel`."""
+        """``options``: ``group``, ``comm``, ``record_events``, ``compression``, as for
+        :class:`DataParallel`."""
         cap = bucket_cap_bytes(bucket_cap_mb)  # checked before the broadcast communicates
         super().__init__(module, **options)
         self.bucket_cap_mb = bucket_cap_mb

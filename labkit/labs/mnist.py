@@ -17,6 +17,10 @@ steps, because at step 0 the weights are random and a large rate diverges.
 
 ``sync="none"`` trains the ranks *without* gradient averaging (each on its own shard,
 from the same start): the lab shows their parameters drift apart after the first step.
+``sync="labkit"`` uses labkit's :class:`~labkit.ddp.OverlappedDDP`, which takes a gradient
+``compression`` ("fp16", "bf16", "powersgd<r>", "powersgd<r>-noef"; see
+:mod:`labkit.ddp.compression`): ``labkit.measure.compression`` compares their accuracy
+and bytes per step.
 """
 
 from __future__ import annotations
@@ -34,10 +38,15 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from labkit.collectives.comm import Comm
 from labkit.data.mnist import MNIST
 from labkit.data.sampler import DistributedSampler, make_loader
+from labkit.ddp import DataParallel, OverlappedDDP
+from labkit.ddp.compression import COMPRESSIONS, make_compression
 from labkit.launch import launch, local_device, run_from_env, seed_everything
 from labkit.models import MnistCNN
+
+SYNCS = ("torch_ddp", "labkit", "none")
 
 
 @dataclass
@@ -50,7 +59,8 @@ class MnistConfig:
     max_steps: int | None = None  # stop early (short measured runs)
     train_limit: int | None = None  # use the first N training images (None: all 8,000)
     channels: int = 8  # MnistCNN width: 8 keeps an epoch at a few seconds on one core
-    sync: str = "torch_ddp"  # "torch_ddp" | "none" (no gradient averaging, to see it break)
+    sync: str = "torch_ddp"  # "torch_ddp" | "labkit" (OverlappedDDP) | "none" (no averaging)
+    compression: str = "none"  # with sync="labkit": "fp16", "bf16", "powersgd<r>[-noef]"
     check_sync: bool = False  # after every step, compare each rank's parameters to rank 0's
     seed: int = 0
     data_root: str | None = None  # folder with the full 60k MNIST; None: the shipped 10k split
@@ -67,8 +77,14 @@ class MnistConfig:
                 "need lr > 0 and warmup_steps >= 0, "
                 f"got lr={self.lr}, warmup_steps={self.warmup_steps}"
             )
-        if self.sync not in ("torch_ddp", "none"):
-            raise ValueError(f"sync must be 'torch_ddp' or 'none', got {self.sync!r}")
+        if self.sync not in SYNCS:
+            raise ValueError(f"sync must be one of {SYNCS}, got {self.sync!r}")
+        make_compression(self.compression)  # a bad name fails here, before any process starts
+        if self.compression != "none" and self.sync != "labkit":
+            raise ValueError(
+                f"compression={self.compression!r} needs sync='labkit' (labkit's OverlappedDDP), "
+                f"got sync={self.sync!r}"
+            )
 
 
 def effective_batch(batch_size: int, world_size: int, accum: int) -> int:
@@ -129,7 +145,9 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
 
     Returns: ``accuracy`` (validation), ``losses`` (per step, this rank's), ``lrs``,
     ``step_times`` (seconds), ``throughput`` (images/s over all ranks, first steps excluded),
-    ``max_diff`` (per step, when ``check_sync``), ``effective_batch``.
+    ``max_diff`` (per step, when ``check_sync``), ``effective_batch``, ``bytes_per_step``
+    (gradient bytes this rank sent per step, counted by labkit's ``Comm``; None for torch DDP
+    and one rank).
     """
     distributed = dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
@@ -146,7 +164,11 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
 
     model: nn.Module = MnistCNN(channels=cfg.channels).to(device)
     net = model
-    if world > 1 and cfg.sync == "torch_ddp":
+    comm = None
+    if world > 1 and cfg.sync == "labkit":
+        comm = Comm(group)
+        net = OverlappedDDP(model, comm=comm, compression=make_compression(cfg.compression))
+    elif world > 1 and cfg.sync == "torch_ddp":
         net = DDP(
             model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group
         )
@@ -171,9 +193,9 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             last = (micro + 1) % cfg.accum == 0
-            sync_ctx = (
-                net.no_sync() if (isinstance(net, DDP) and not last) else contextlib.nullcontext()
-            )
+            sync_ctx: Any = contextlib.nullcontext()
+            if isinstance(net, (DDP, DataParallel)) and not last:
+                sync_ctx = net.no_sync()
             with sync_ctx:
                 loss = F.cross_entropy(net(x), y) / cfg.accum
                 loss.backward()
@@ -181,6 +203,8 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
             micro += 1
             if not last:
                 continue
+            if isinstance(net, OverlappedDDP):
+                net.finish_gradient_sync()  # torch DDP does this inside backward
             for group_ in opt.param_groups:
                 group_["lr"] = lr_at(step, cfg.lr, cfg.warmup_steps)
             opt.step()
@@ -209,8 +233,9 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
         epoch += 1
     timed = out["step_times"][min(3, len(out["step_times"]) - 1) :]  # skip warm-up steps
     out["throughput"] = out["effective_batch"] * len(timed) / max(sum(timed), 1e-9)
+    out["bytes_per_step"] = None if comm is None else comm.total_sent / max(step, 1)
     # Unsynchronised ranks hold different models: each scores the whole validation set.
-    if cfg.sync == "torch_ddp":
+    if cfg.sync != "none":
         out["accuracy"] = evaluate(model, val_set, device, rank, world, group)
     else:
         out["accuracy"] = evaluate(model, val_set, device)
@@ -265,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--data-root", default=None, help="folder with the full 60k MNIST IDX files"
     )
-    parser.add_argument("--sync", default=d.sync, choices=["torch_ddp", "none"])
+    parser.add_argument("--sync", default=d.sync, choices=list(SYNCS))
+    parser.add_argument("--compression", default=d.compression, help=f"one of {COMPRESSIONS}")
     args = vars(parser.parse_args(argv))
     world_size = args.pop("world_size")
     cfg = MnistConfig(**args)
@@ -276,9 +302,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     results = run(cfg, world_size) if world_size > 1 else [train(cfg)]
     r0 = results[0]
+    sent = r0.get("bytes_per_step")
     print(
         f"world_size={world_size} effective batch {r0['effective_batch']}: validation accuracy "
         f"{r0['accuracy']:.4f}, {r0['throughput']:,.0f} img/s"
+        + ("" if sent is None else f", {sent:,.0f} gradient bytes sent per step")
     )
 
 

@@ -6,10 +6,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from labkit.cluster.spec import EmulatedCluster
 
 _JOB_FILE = "job.pkl"
 _ENV_RUN_ID = "LABKIT_RUN_ID"
@@ -90,6 +93,7 @@ class LaunchConfig:
     log_dir: Path | None = None  # None: a fresh folder under tempdir/labkit-runs
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the workers
     quiet: bool = False  # True: do not echo worker output (it is still logged)
+    cluster: EmulatedCluster | None = None  # None: one machine; else ranks live on its nodes
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -113,6 +117,12 @@ class LaunchConfig:
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         self.backend = choose_backend(self.world_size, self.backend)
+        if self.cluster is not None:
+            from labkit.cluster.spec import EmulatedCluster
+
+            if not isinstance(self.cluster, EmulatedCluster):
+                raise TypeError(f"cluster must be an EmulatedCluster, got {self.cluster!r}")
+            self.cluster.check(self.world_size, self.backend)
 
 
 def describe_machine() -> dict[str, Any]:

@@ -337,7 +337,8 @@ def launch(
     ``fn`` may be defined in a notebook cell, with its helpers and classes: it travels by
     value (cloudpickle). Each rank's output streams into the caller, prefixed ``[rankN]:``.
     Other keyword options are fields of :class:`LaunchConfig` (``max_restarts``,
-    ``start_method``, ``threads_per_rank``, ``host``, ``log_dir``, ``env``, ``quiet``).
+    ``start_method``, ``threads_per_rank``, ``host``, ``log_dir``, ``env``, ``quiet``,
+    ``cluster``: an :class:`labkit.cluster.EmulatedCluster` whose nodes the ranks run on).
 
     Raises :class:`RankFailedError` when a rank raises, :class:`JobTimeoutError` when the job
     outlives ``timeout`` seconds, ``KeyboardInterrupt`` when interrupted (all ranks killed).
@@ -356,15 +357,24 @@ def launch(
             prefix=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-", dir=root
         )
     )
-    try:
-        payload = _dumps({"fn": fn, "args": args, "config": cfg})
-    except Exception as exc:
-        raise TypeError(f"cannot send fn and args to the ranks (pickling failed): {exc}") from exc
-    (run / _JOB_FILE).write_bytes(payload)
+    with contextlib.ExitStack() as network:
+        # An emulated cluster's network exists for the job's life only (see labkit.cluster).
+        cluster = None
+        if cfg.cluster is not None:
+            from labkit.cluster.run import cluster_network
 
-    job = _Job(cfg, run)
-    try:
-        job.watch()
-    finally:
-        job.stop()
+            cluster = network.enter_context(cluster_network(cfg.cluster, cfg.world_size))
+        try:
+            payload = _dumps({"fn": fn, "args": args, "config": cfg, "cluster": cluster})
+        except Exception as exc:
+            raise TypeError(
+                f"cannot send fn and args to the ranks (pickling failed): {exc}"
+            ) from exc
+        (run / _JOB_FILE).write_bytes(payload)
+
+        job = _Job(cfg, run)
+        try:
+            job.watch()
+        finally:
+            job.stop()
     return job.results()

@@ -70,8 +70,13 @@ def _set_pdeathsig() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _init_process_group(backend: str, timeout: float) -> None:
-    """Initialise the default group from the torchrun-style environment (RANK, WORLD_SIZE, ...)."""
+def _init_process_group(
+    backend: str, timeout: float, enter: Callable[[], None] | None = None
+) -> None:
+    """Initialise the default group from the torchrun-style environment (RANK, WORLD_SIZE, ...).
+
+    ``enter`` runs between the store's connection and the group's creation: an emulated
+    cluster's rank moves into its node's network namespace there."""
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     limit = datetime.timedelta(seconds=timeout)
@@ -87,6 +92,8 @@ def _init_process_group(backend: str, timeout: float) -> None:
                 timeout=limit,
             ),
         )
+        if enter is not None:
+            enter()
         dist.init_process_group(
             backend=backend,
             store=store,
@@ -95,6 +102,8 @@ def _init_process_group(backend: str, timeout: float) -> None:
             timeout=limit,
         )
     else:
+        if enter is not None:
+            raise RuntimeError("an emulated cluster needs the elastic agent's store")
         dist.init_process_group(backend=backend, timeout=limit)
 
 
@@ -220,7 +229,11 @@ def _worker(run_dir: str) -> None:
     if cfg.backend == "gloo":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        _init_process_group(str(cfg.backend), float(cfg.collective_timeout or cfg.timeout))
+        cluster = job.get("cluster")  # a labkit.cluster.run.ClusterRun, or None
+        enter = None if cluster is None else (lambda: cluster.enter(rank))
+        _init_process_group(str(cfg.backend), float(cfg.collective_timeout or cfg.timeout), enter)
+        if cluster is not None:
+            cluster.install(run)
         result = job["fn"](*job["args"])
         partial = run / f"result.{rank}.pkl.tmp"
         with open(partial, "wb") as f:

@@ -10,6 +10,7 @@ Techniques do not time themselves.
 * ``scaling.py``     scaling records: speed-up, efficiency, MFU, GPU-hours, time-to-accuracy.
 * ``capstone.py``    the GPT-2 1.3B step on a GPU (tokens/s, MFU, memory against the estimate).
 * ``profiling.py``   the miniature ResNet's strong and weak scaling.
+* ``compression.py`` DDP gradient compression on the MNIST lab: accuracy, loss, bytes per step.
 
 Add one module per kind of measurement; import from the submodule (``labkit.measure.timing``).
 """

@@ -1,0 +1,200 @@
+"""The real-network cluster: one Linux network namespace per node, joined through a bridge.
+
+Layout of a run tagged ``t`` (6 hex digits) with N nodes::
+
+    namespace lk-t-n0              namespace lk-t-sw                  namespace lk-t-n1
+    lo + lktn0 10.77.0.1/16 <-veth-> lkts0 -+- bridge lktbr -+- lkts1 <-veth-> lktn1 10.77.0.2/16
+         tbf (uplink)                tbf (downlink)    tbf (downlink)       tbf (uplink)
+
+* Every object lives inside a namespace the run creates (veth ends are created directly in
+  their namespaces), so addresses never touch the machine's own network and deleting the
+  namespaces deletes everything. Interface names fit Linux's 15 characters.
+* Both directions of each node's link are shaped with ``tbf`` at ``inter_bandwidth``: the
+  node-side veth shapes what the node sends (uplink), the switch-side veth what it receives
+  (downlink). A node's ranks share both. veth hands ``tbf`` GSO super-packets of up to 64 KB;
+  ``tbf`` splits a packet larger than its burst into segments, so the burst only sets how many
+  bytes may pass at line rate after an idle period (``_BURST_S`` of traffic, at least 32 KB).
+* Ranks of one node talk to their node's address, which the kernel routes over the
+  namespace's loopback: unshaped, as inside a real node.
+* Latency is NOT emulated: this kernel has no ``netem``. Messages see the machine's own
+  latency (tens of microseconds); ``EmulatedCluster.inter_latency`` applies to software mode.
+
+Cleanup: the launcher calls :func:`remove` on every exit path and registers it ``atexit``.
+Each run writes ``/run/labkit-cluster/<tag>`` holding its creator's pid and start time before
+creating anything; :func:`sweep_stale` (at the start of every netns launch) removes runs whose
+creator is gone (SIGKILL of the caller, a crash). :func:`leftovers` lists what remains.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import re
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+RECORDS = Path("/run/labkit-cluster")
+NETNS_DIR = Path("/var/run/netns")
+_CLONE_NEWNET = 0x40000000
+_BURST_S = 0.002  # tbf bucket: 2 ms of traffic at the shaped rate
+_QUEUE_S = 0.2  # tbf queue: at most 200 ms of traffic waits before drops
+_NS = re.compile(r"^lk-([0-9a-f]{6})-(?:n\d+|sw)$")
+_LINK = re.compile(r"^lk([0-9a-f]{6})(?:[ns]\d+|br)$")
+_live_plans: set[NetnsPlan] = set()  # created by this process and not yet removed
+
+
+@dataclass(frozen=True)
+class NetnsPlan:
+    """The names and addresses of one run's network (pure: computing them creates nothing)."""
+
+    tag: str
+    nodes: int
+    bandwidth: float  # bytes/s, each direction of each node's link
+
+    @staticmethod
+    def new(nodes: int, bandwidth: float) -> NetnsPlan:
+        return NetnsPlan(uuid.uuid4().hex[:6], nodes, float(bandwidth))
+
+    def namespace(self, node: int) -> str:
+        return f"lk-{self.tag}-n{node}"
+
+    @property
+    def switch(self) -> str:
+        return f"lk-{self.tag}-sw"
+
+    def node_if(self, node: int) -> str:
+        return f"lk{self.tag}n{node}"
+
+    def switch_if(self, node: int) -> str:
+        return f"lk{self.tag}s{node}"
+
+    @property
+    def bridge(self) -> str:
+        return f"lk{self.tag}br"
+
+    def address(self, node: int) -> str:
+        """Node ``node``'s address in 10.77.0.0/16 (private to the run's namespaces)."""
+        return f"10.77.{(node + 1) // 256}.{(node + 1) % 256}"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(args), capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {done.stderr.strip()}")
+    return done
+
+
+def _shape(namespace: str, dev: str, bandwidth: float) -> None:
+    rate = int(bandwidth * 8)  # tc's "bit" unit: bits per second
+    burst = max(int(bandwidth * _BURST_S), 32 * 1024)
+    limit = max(int(bandwidth * _QUEUE_S), 4 * burst)
+    _ip("tc", "-n", namespace, "qdisc", "replace", "dev", dev, "root", "tbf",
+        "rate", f"{rate}bit", "burst", str(burst), "limit", str(limit))  # fmt: skip
+
+
+def _process_id(pid: int) -> str:
+    """``pid`` plus its start time (field 22 of /proc/pid/stat): a recycled pid differs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def create(plan: NetnsPlan) -> None:
+    """Build the run's namespaces, bridge, veth pairs, addresses and shaping (root only).
+    On any failure everything built so far is removed before the error propagates."""
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    (RECORDS / plan.tag).write_text(_process_id(os.getpid()))
+    _live_plans.add(plan)
+    atexit.register(remove, plan)
+    try:
+        _ip("ip", "netns", "add", plan.switch)
+        _ip("ip", "-n", plan.switch, "link", "add", plan.bridge, "type", "bridge")
+        _ip("ip", "-n", plan.switch, "link", "set", plan.bridge, "up")
+        for node in range(plan.nodes):
+            ns, here, there = plan.namespace(node), plan.node_if(node), plan.switch_if(node)
+            _ip("ip", "netns", "add", ns)
+            _ip("ip", "link", "add", here, "netns", ns, "type", "veth",
+                "peer", "name", there, "netns", plan.switch)  # fmt: skip
+            _ip("ip", "-n", ns, "addr", "add", f"{plan.address(node)}/16", "dev", here)
+            _ip("ip", "-n", ns, "link", "set", "lo", "up")
+            _ip("ip", "-n", ns, "link", "set", here, "up")
+            _ip("ip", "-n", plan.switch, "link", "set", there, "master", plan.bridge)
+            _ip("ip", "-n", plan.switch, "link", "set", there, "up")
+            _shape(ns, here, plan.bandwidth)  # uplink: what the node sends
+            _shape(plan.switch, there, plan.bandwidth)  # downlink: what the node receives
+    except BaseException:
+        remove(plan)
+        raise
+
+
+def remove(plan: NetnsPlan | str) -> None:
+    """Delete everything of the run (idempotent): its namespaces take their veths, bridge and
+    qdiscs with them; links that never left the root namespace are deleted by name."""
+    tag = plan if isinstance(plan, str) else plan.tag
+    for kind, name in leftovers(tag):
+        if kind == "netns":
+            _ip("ip", "netns", "del", name, check=False)
+        elif kind == "link":
+            _ip("ip", "link", "del", name, check=False)
+    with contextlib.suppress(OSError):
+        (RECORDS / tag).unlink()
+    if not isinstance(plan, str) and plan in _live_plans:
+        _live_plans.discard(plan)
+        atexit.unregister(remove)  # drops every registration of remove: re-add the others
+        for other in _live_plans:
+            atexit.register(remove, other)
+
+
+def leftovers(tag: str | None = None) -> list[tuple[str, str]]:
+    """``[(kind, name)]`` of labkit network objects present now (of run ``tag``, or of all
+    runs): ``netns`` namespaces, root-namespace ``link``s and the ``qdisc``s on them."""
+    found: list[tuple[str, str]] = []
+    names = _ip("ip", "netns", "list", check=False).stdout.split()
+    for name in names:
+        if (m := _NS.match(name)) and (tag is None or m[1] == tag):
+            found.append(("netns", name))
+    for line in _ip("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        dev = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if (m := _LINK.match(dev)) and (tag is None or m[1] == tag):
+            found.append(("link", dev))
+            qdiscs = _ip("tc", "qdisc", "show", "dev", dev, check=False).stdout
+            found += [("qdisc", f"{dev}: {q}") for q in qdiscs.splitlines() if "tbf" in q]
+    return found
+
+
+def sweep_stale() -> list[str]:
+    """Remove the networks of runs whose creator process is gone; return their tags."""
+    tags = {m[1] for _, name in leftovers() if (m := re.search(r"lk-?([0-9a-f]{6})", name))}
+    with contextlib.suppress(OSError):
+        tags.update(p.name for p in RECORDS.iterdir())
+    stale = []
+    for tag in sorted(tags):
+        try:
+            owner = (RECORDS / tag).read_text()
+        except OSError:
+            owner = ""  # no record: made by hand, or its record is gone
+        pid = int(owner.split()[0]) if owner.strip() else -1
+        if pid <= 0 or _process_id(pid) != owner:
+            remove(tag)
+            stale.append(tag)
+    return stale
+
+
+def enter(plan: NetnsPlan, node: int) -> None:
+    """Move the calling process (its current thread: call before starting threads that open
+    sockets) into ``node``'s namespace, and point gloo at the node's interface."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(NETNS_DIR / plan.namespace(node), os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {plan.namespace(node)}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = plan.node_if(node)
