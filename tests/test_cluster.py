@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from labkit.cluster import EmulatedCluster, NodeTopology, netns, probe_links
 from labkit.cluster import spec as cluster_spec
-from labkit.cluster.software import flat_ring_cost, reserve
+from labkit.cluster.software import LinkClock, flat_ring_cost, reserve
 from labkit.launch import LaunchConfig, LaunchError, launch
 
 SLOW = 10e6  # bytes/s of each node's uplink in the multi-process tests
@@ -94,6 +94,16 @@ def test_link_model_arithmetic():
     # Interleaved ring 0-2-1-3 on nodes [0,1,0,1]: two edges share each uplink.
     assert flat_ring_cost("all_gather", 400, [0, 1, 0, 1], 0.0, 0.01) == pytest.approx(3 * 2)
     assert flat_ring_cost("all_reduce", 400, [0, 0], 1.0, 0.01) == 0.0  # one node: free
+
+
+def test_node_uplink_is_shared_by_its_ranks(tmp_path):
+    # Two ranks of node 0 (two clocks on one file, as two processes) each send 1 MB at 1 MB/s:
+    # the second message waits for the first on node 0's uplink, even toward another node.
+    first = LinkClock(tmp_path / "links", nodes=3).send(0, 1, 10**6, 0.0, 1e-6)
+    second = LinkClock(tmp_path / "links", nodes=3).send(0, 2, 10**6, 0.0, 1e-6)
+    assert second == pytest.approx(first + 1.0, abs=0.05)
+    # Node 1 to node 0 uses two free links: it does not queue behind node 0's uplink traffic.
+    assert LinkClock(tmp_path / "links", nodes=3).send(1, 0, 10, 0.0, 1e-6) < first
 
 
 # ------------------------------------------------------------------ ranks on a cluster

@@ -4,6 +4,7 @@ Read in this order:
 
 * ``cluster.py``  what a cluster is (GPUs per node, memory, peak FLOP/s, two link classes).
 * ``flops.py``    Megatron's FLOPs-per-iteration formula and Narayanan et al.'s Table 1 as data.
+* ``links.py``    which link class (fast inside a node, slow between) each group rides.
 * ``plan.py``     enumerate layouts, predict each one's memory per GPU and step time, rank them.
 
 No processes anywhere: every number is arithmetic a reader can redo by hand.

@@ -78,6 +78,18 @@ CLUSTERS: dict[str, Cluster] = {
         inter_bandwidth=25 * GB,
         name="DGX A100 80GB",
     ),
+    # The same A100 nodes on a slow network: one 100 Gb/s Ethernet port per node (12.5 GB/s,
+    # shared by 8 GPUs: 1.56 GB/s each) and TCP's higher latency; NVLink unchanged inside.
+    "a100-80gb-eth100": Cluster(
+        nodes=1,
+        gpus_per_node=8,
+        memory_bytes=80 * GB,
+        peak_flops=312e12,
+        intra_bandwidth=300 * GB,
+        inter_bandwidth=12.5 * GB / 8,
+        inter_latency=30e-6,
+        name="A100 80GB, 1 x 100 Gb/s Ethernet per node",
+    ),
     # DGX H100: NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s NDR (50 GB/s per GPU),
     # 989 TFLOP/s dense bf16 (SXM).
     "dgx-h100-80gb": Cluster(

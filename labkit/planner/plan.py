@@ -20,10 +20,11 @@ time (one iteration)
     tp comm        per layer and micro-batch 2 all-reduces forward + 2 backward (+2 recomputed)
                    of b s h x 2 bytes, ring over t ranks (on the fast link when t fits a node);
     pp comm        per micro-batch and boundary, b s h x 2 bytes forward and backward, split t
-                   ways (Megatron's scatter/gather); on the slow link once dp x t fills a node;
+                   ways (Megatron's scatter/gather); on the slow link once the pipeline spans nodes;
     dp comm        all-reduce (or ZeRO's reduce-scatter + all-gather; ZeRO-3 adds a gather) of
                    the stage's 16-bit gradients (2 P_stage bytes) over dp ranks, not overlapped
-                   (a conservative bound).
+                   (a conservative bound); a flat ring, or hierarchical across nodes.
+Each group's link class follows from the rank order (``links.py``).
 MFU = model FLOPs (72 factor, no recompute) / (time x GPUs x peak).
 
 Rank order follows Megatron's (Narayanan et al. 2021, section 3.3): tp innermost, so a tp group
@@ -35,12 +36,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
-from labkit.collectives.cost_model import ring_all_reduce_time
+from labkit.collectives.cost_model import hierarchical_all_reduce_time, ring_all_reduce_time
 from labkit.memory.model import Precision, activation_bytes_per_layer, model_states
 from labkit.models.gpt import GPTConfig
 from labkit.parallel.layout import ParallelDegrees
 from labkit.planner.cluster import Cluster
 from labkit.planner.flops import megatron_flops_per_iteration
+from labkit.planner.links import group_links
 
 __all__ = ["MEGATRON_MIXED", "Candidate", "Prediction", "enumerate_candidates", "plan", "predict"]
 
@@ -113,10 +115,17 @@ def predict(
     efficiency: float = 0.5,
     precision: Precision = MEGATRON_MIXED,
     bubble: str = "formula",
+    order: str = "tp-dp-pp",
+    dp_collective: str = "ring",
 ) -> Prediction:
     """Memory per GPU, seconds per iteration and MFU of one candidate (module docstring).
     ``bubble``: "formula" ((p - 1)/v slots) or "simulated" (the pipeline simulator's replay of
-    the schedule, :mod:`labkit.planner.bubble`)."""
+    the schedule, :mod:`labkit.planner.bubble`). ``order``: the rank order (innermost axis
+    first, :mod:`labkit.planner.links`). ``dp_collective``: "ring" (flat, paced by the slowest
+    link it crosses) or "hierarchical" (inside the node, then across nodes on 1/k of the bytes,
+    for a dp group with k ranks per node)."""
+    if dp_collective not in ("ring", "hierarchical"):
+        raise ValueError(f"dp_collective={dp_collective!r}: expected 'ring' or 'hierarchical'")
     cand.degrees.check_world_size(cluster.world_size)
     cand.degrees.check_model(hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer)
     if not 0 < efficiency <= 1:
@@ -157,16 +166,26 @@ def predict(
     per_micro = stage_flops / (t * cluster.peak_flops * efficiency)
     compute = m * per_micro
     act_bytes = 2 * b * s * h  # one micro-batch's 16-bit hidden states
-    alpha, bw = cluster.link(t)
-    per_ar = ring_all_reduce_time(act_bytes, t, alpha, 1 / bw) if t > 1 else 0.0
+    links = group_links(cluster, d, t, p, order)
+    tpl, ppl, dpl = links["tp"], links["pp"], links["dp"]
+    per_ar = ring_all_reduce_time(act_bytes, t, tpl.alpha, 1 / tpl.bandwidth) if t > 1 else 0.0
     ars = 4 + (2 if cand.recompute == "full" else 0)
     tp_comm = (L / p) * m * ars * per_ar
-    alpha, bw = cluster.link(d * t + 1)  # neighbouring stages are d*t ranks apart
-    pp_comm = 2 * m * v * (alpha + act_bytes / t / bw) if p > 1 else 0.0
-    alpha, bw = cluster.link(d * t)
+    pp_comm = 2 * m * v * (ppl.alpha + act_bytes / t / ppl.bandwidth) if p > 1 else 0.0
     dp_factor = 1.5 if cand.zero == 3 else 1.0
     grad_bytes = 2 * psi  # gradients travel in 16 bits; the fp32 buffer is local
-    dp_comm = dp_factor * ring_all_reduce_time(grad_bytes, d, alpha, 1 / bw) if d > 1 else 0.0
+    if dp_collective == "hierarchical" and dpl.crosses_nodes and dpl.ranks_per_node > 1:
+        # each of the k ranks of a node carries 1/k of the bytes over its own share of the
+        # node's uplink (nics_per_node = k: the per-GPU bandwidth is that share)
+        dp_time = hierarchical_all_reduce_time(
+            grad_bytes, dpl.nodes, dpl.ranks_per_node,
+            intra=(cluster.intra_latency, 1 / cluster.intra_bandwidth),
+            inter=(cluster.inter_latency, 1 / cluster.inter_bandwidth),
+            nics_per_node=dpl.ranks_per_node,
+        )  # fmt: skip
+    else:
+        dp_time = ring_all_reduce_time(grad_bytes, d, dpl.alpha, 1 / dpl.bandwidth)
+    dp_comm = dp_factor * dp_time if d > 1 else 0.0
     time = {
         "compute": compute,
         "bubble": _bubble(bubble, p, m, v, per_micro),
@@ -235,6 +254,8 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
     efficiency = float(kwargs.pop("efficiency", 0.5))  # type: ignore[arg-type]
     precision = kwargs.pop("precision", MEGATRON_MIXED)
     bubble = str(kwargs.pop("bubble", "formula"))
+    order = str(kwargs.pop("order", "tp-dp-pp"))
+    dp_collective = str(kwargs.pop("dp_collective", "ring"))
     cands = enumerate_candidates(cfg, cluster, global_batch, **kwargs)  # type: ignore[arg-type]
     preds = [
         predict(
@@ -245,6 +266,8 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
             efficiency=efficiency,
             precision=precision,  # type: ignore[arg-type]
             bubble=bubble,
+            order=order,
+            dp_collective=dp_collective,
         )
         for c in cands
     ]
