@@ -34,10 +34,13 @@ def main() -> None:
     cluster = EmulatedCluster(
         nodes=args.nodes, inter_bandwidth=args.inter_mbps * 1e6, mode=args.mode
     )
+    mode = cluster.resolved_mode()
     print(
         f"emulated cluster: {args.nodes} nodes x {args.ranks_per_node} ranks, uplink "
-        f"{args.inter_mbps:g} MB/s per node, mode {cluster.resolved_mode()!r}"
+        f"{args.inter_mbps:g} MB/s per node, mode {mode!r}"
     )
+    if mode == "software":
+        print("(software mode: torch's collectives across nodes are charged a modelled cost)")
 
     res = measure_busbw(cluster, world, (2**12, 2**15, 2**18, 2**20, 2**22), steps=args.steps)
     impls = list(res["busbw"])
