@@ -13,6 +13,9 @@ inside a rank nothing of the emulation is visible, the network is just slower be
   impl, with and without compression; the variants are interleaved step by step. Exposed
   communication is the time spent in ``finish_gradient_sync()`` (what is left of the
   all-reduces after backward); its share of the step is the number A4 starts from.
+  With ``profile=``, the same launch also profiles one variant's steps with
+  :mod:`labkit.profiling.breakdown` (A1's per-rank view: data, forward, backward, exposed
+  comm, optimizer).
 * **strong scaling**: the same global batch on 1, 2 and 4 nodes (one launch each).
 """
 
