@@ -11,6 +11,8 @@ Techniques do not time themselves.
 * ``capstone.py``    the GPT-2 1.3B step on a GPU (tokens/s, MFU, memory against the estimate).
 * ``profiling.py``   the miniature ResNet's strong and weak scaling.
 * ``compression.py`` DDP gradient compression on the MNIST lab: accuracy, loss, bytes per step.
+* ``cluster.py``     on the emulated cluster: busbw over sizes, DDP step variants, strong scaling.
+* ``mixed_links.py`` per-link-class alpha-beta under load, and the 10B miniature's measured step.
 
 Add one module per kind of measurement; import from the submodule (``labkit.measure.timing``).
 """
