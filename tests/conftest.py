@@ -47,3 +47,18 @@ def job_tag():
     tag = uuid.uuid4().hex
     yield tag
     kill_survivors(tag)
+
+
+@pytest.fixture
+def checks_on_warm_ranks(monkeypatch):
+    """Run exercise checks (``labkit.checks``) on run_ranks' warm worlds instead of a fresh
+    launch each. The check's own code, its ranks' work and its verdicts are unchanged: only the
+    processes are shared (the exercise notebooks, tests/test_exercises.py, keep fresh launches).
+    """
+    from labkit.checks import core
+    from tests.ranks import run_ranks
+
+    def warm_launch(fn, *args, world_size, timeout, **options):
+        return run_ranks(fn, *args, world_size=world_size, timeout=timeout, **options)
+
+    monkeypatch.setattr(core, "launch", warm_launch)

@@ -20,10 +20,17 @@ from labkit.checkpoint import (
     save_checkpoint,
     shard_range,
 )
-from labkit.labs.drill import DrillConfig, run_drill
+from labkit.labs.drill import DrillConfig, run_drill, train
 from labkit.launch import LaunchError
+from tests.ranks import run_ranks
 
 RESHARD = DrillConfig(steps=6, ckpt_every=2, keep=3, reshardable=True)
+
+
+def _drill_on_warm_ranks(cfg: DrillConfig, ckpt_dir: Path, world_size: int) -> list:
+    """``run_drill`` without a fresh launch: the runs that kill nothing share warm ranks."""
+    cfg.validate(world_size)
+    return run_ranks(train, cfg, str(ckpt_dir), world_size=world_size, timeout=90)
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +38,11 @@ def reshard_runs(tmp_path_factory):
     """Train 6 steps on 4 ranks (checkpoints at 2, 4, 6); continue from step 2 on 2 ranks and
     from step 4 on 3 ranks, each in a folder holding only that checkpoint."""
     root = tmp_path_factory.mktemp("reshard")
-    runs = {4: run_drill(RESHARD, root / "w4", world_size=4, timeout=90)}
+    runs = {4: _drill_on_warm_ranks(RESHARD, root / "w4", world_size=4)}
     for world_size, start in ((2, 2), (3, 4)):
         src = root / "w4" / f"step_{start:08d}"
         shutil.copytree(src, root / f"w{world_size}" / src.name)
-        runs[world_size] = run_drill(
-            RESHARD, root / f"w{world_size}", world_size=world_size, timeout=90
-        )
+        runs[world_size] = _drill_on_warm_ranks(RESHARD, root / f"w{world_size}", world_size)
     return root, runs
 
 
@@ -174,7 +179,7 @@ def test_kill_a_rank_and_resume_bit_identically(tmp_path):
     Both end bit-identical to an uninterrupted run of the same length.
     """
     cfg = DrillConfig(steps=6, ckpt_every=2)
-    ref = run_drill(cfg, tmp_path / "ref", world_size=2)
+    ref = _drill_on_warm_ranks(cfg, tmp_path / "ref", world_size=2)
 
     a = DrillConfig(
         steps=6, ckpt_every=2, kill_rank=1, kill_at_step=5, kill_marker=str(tmp_path / "a.killed")

@@ -494,6 +494,7 @@ def _off_by_one_reduce_scatter(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("checks_on_warm_ranks")
 def test_exercise_check_passes_labkit_ring_and_explains_a_wrong_one(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -537,6 +538,7 @@ def _everyone_sends_everything(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("checks_on_warm_ranks")
 def test_exercise_check_rejects_native_collectives_and_non_ring_traffic() -> None:
     from labkit.checks.collectives import check_ring
     from labkit.checks.core import CheckFailed

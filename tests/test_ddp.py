@@ -280,6 +280,7 @@ class _ZerosForUnused(OverlappedDDP):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("checks_on_warm_ranks")
 def test_exercise_check_passes_ours_and_names_the_first_divergence(capsys):
     check_overlapped_ddp(OverlappedDDP)
     assert "PASSED" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import subprocess
 import sys
@@ -95,18 +96,42 @@ def test_long_code_cell_lines_are_reported(tmp_path):
     assert found == [f"{tmp_path.name}/01_x.ipynb cell 1, line 2 has 125 characters (at most 100)"]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("path", EXERCISES, ids=[p.stem for p in EXERCISES])
-def test_exercise_runs_with_no_error_but_its_stubs(path):
-    # nbval's raises-exception tag also passes when nothing raises, so it cannot prove this.
+# Each exercise still runs in its own fresh kernel, as a learner runs it; two kernels run at a
+# time (a kernel mostly waits on imports and on the ranks its check starts, so the pair roughly
+# halves the wall time on 2 cores). Results are per notebook: an error in one cannot hide another.
+PARALLEL_KERNELS = 2
+
+
+async def _execute(path: Path, gate: asyncio.Semaphore) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(
-        nb,
-        timeout=120,
-        kernel_name="python3",
-        allow_errors=True,
-        resources={"metadata": {"path": str(path.parent)}},
-    ).execute()
+    async with gate:
+        await NotebookClient(
+            nb,
+            timeout=120,
+            kernel_name="python3",
+            allow_errors=True,
+            resources={"metadata": {"path": str(path.parent)}},
+        ).async_execute()
+    return nb
+
+
+async def _execute_all(paths: list[Path]) -> list[nbformat.NotebookNode | BaseException]:
+    gate = asyncio.Semaphore(PARALLEL_KERNELS)
+    return await asyncio.gather(*(_execute(p, gate) for p in paths), return_exceptions=True)
+
+
+@pytest.fixture(scope="module")
+def executed() -> dict[str, nbformat.NotebookNode | BaseException]:
+    return dict(zip((p.name for p in EXERCISES), asyncio.run(_execute_all(EXERCISES))))
+
+
+@pytest.mark.timeout(600)  # the first test also waits for every notebook (two at a time)
+@pytest.mark.parametrize("path", EXERCISES, ids=[p.stem for p in EXERCISES])
+def test_exercise_runs_with_no_error_but_its_stubs(path, executed):
+    # nbval's raises-exception tag also passes when nothing raises, so it cannot prove this.
+    nb = executed[path.name]
+    if isinstance(nb, BaseException):
+        raise nb
     errors = [
         (i, out)
         for i, cell in enumerate(nb.cells)

@@ -222,15 +222,6 @@ def test_uncallable_fn_is_rejected(monkeypatch):
         launch(42)
 
 
-def test_launch_leaves_caller_signal_handlers_and_environment_alone(job_tag):
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-    before = {s: signal.getsignal(s) for s in signals}
-    env_before = dict(os.environ)
-    launch(_rank_info, 0, world_size=2, timeout=60, quiet=True, env={"LABKIT_TEST_TAG": job_tag})
-    assert {s: signal.getsignal(s) for s in signals} == before
-    assert dict(os.environ) == env_before
-
-
 _INTERRUPT_SCRIPT = textwrap.dedent(
     """
     import sys, time
@@ -310,9 +301,18 @@ def test_default_backend_follows_the_gpus_per_rank(monkeypatch):
         LaunchConfig(world_size=5, backend="nccl")
 
 
-def test_launch_is_a_callable_package():
-    # labkit.launch is both the entry point and the package behind it
-    assert labkit.launch(_tiny, 5, world_size=1, timeout=60, quiet=True, backend="gloo") == [50]
+def test_launch_is_a_callable_package_that_leaves_caller_signals_and_environment_alone(job_tag):
+    # One launch (a world of one) checks both: labkit.launch is the entry point and the package
+    # behind it, and a launch restores the caller's signal handlers and os.environ.
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    before = {s: signal.getsignal(s) for s in signals}
+    env_before = dict(os.environ)
+    assert labkit.launch(
+        _tiny, 5, world_size=1, timeout=60, quiet=True, backend="gloo",
+        env={"LABKIT_TEST_TAG": job_tag},
+    ) == [50]  # fmt: skip
+    assert {s: signal.getsignal(s) for s in signals} == before
+    assert dict(os.environ) == env_before
     assert labkit.launch.local_device().type in ("cpu", "cuda")
 
 

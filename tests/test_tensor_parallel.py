@@ -360,6 +360,7 @@ class _Row(torch.nn.Module):
         return self.layer(x)
 
 
+@pytest.mark.usefixtures("checks_on_warm_ranks")
 def test_exercise_check_rejects_an_all_reduce_in_the_wrong_direction() -> None:
     from labkit.checks.core import CheckFailed
     from labkit.checks.tp import check_tp_layers

@@ -43,7 +43,7 @@ from labkit.data.mnist import MNIST
 from labkit.data.sampler import DistributedSampler, make_loader
 from labkit.ddp import DataParallel, OverlappedDDP
 from labkit.ddp.compression import COMPRESSIONS, make_compression
-from labkit.launch import launch, local_device, run_from_env, seed_everything
+from labkit.launch import World, launch, local_device, run_from_env, seed_everything
 from labkit.models import MnistCNN
 
 SYNCS = ("torch_ddp", "labkit", "none")
@@ -242,10 +242,27 @@ def train(cfg: MnistConfig, group: Any = None) -> dict[str, Any]:
     return out
 
 
-def run(cfg: MnistConfig, world_size: int = 2, **launch_options: Any) -> list[dict[str, Any]]:
-    """:func:`train` on ``world_size`` ranks via :func:`labkit.launch`; per-rank results."""
+def run(
+    cfg: MnistConfig, world_size: int = 2, *, world: World | None = None, **launch_options: Any
+) -> list[dict[str, Any]]:
+    """:func:`train` on ``world_size`` ranks via :func:`labkit.launch`; per-rank results.
+
+    With ``world`` (a warm :class:`labkit.World` of ``world_size`` ranks) the same function
+    runs on its ranks instead of a fresh launch: a notebook pays the start-up once."""
     launch_options.setdefault("timeout", 600)
-    return launch(train, cfg, world_size=world_size, **launch_options)
+    return _on_ranks(train, cfg, world_size, world, launch_options)
+
+
+def _on_ranks(
+    fn: Any, arg: Any, world_size: int, world: World | None, options: dict[str, Any]
+) -> Any:
+    if world is None:
+        return launch(fn, arg, world_size=world_size, **options)
+    if world.cfg.world_size != world_size:
+        raise ValueError(
+            f"world has {world.cfg.world_size} ranks but world_size={world_size}: pass the same"
+        )
+    return world.run(fn, arg, **options)
 
 
 def _train_each(cfgs: list[MnistConfig], group: Any = None) -> list[dict[str, Any]]:
@@ -253,13 +270,17 @@ def _train_each(cfgs: list[MnistConfig], group: Any = None) -> list[dict[str, An
 
 
 def run_many(
-    cfgs: list[MnistConfig], world_size: int = 2, **launch_options: Any
+    cfgs: list[MnistConfig],
+    world_size: int = 2,
+    *,
+    world: World | None = None,
+    **launch_options: Any,
 ) -> list[list[dict[str, Any]]]:
-    """Several short runs in ONE launch (a launch costs ~3 s).
+    """Several short runs in ONE launch (a launch costs ~3 s), or one call on ``world``.
 
     Returns ``result[i][rank]`` for ``cfgs[i]``."""
     launch_options.setdefault("timeout", 600)
-    per_rank = launch(_train_each, cfgs, world_size=world_size, **launch_options)
+    per_rank = _on_ranks(_train_each, cfgs, world_size, world, launch_options)
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cfgs))]
 
 
