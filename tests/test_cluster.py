@@ -204,9 +204,13 @@ def test_leftovers_finds_a_stray_namespace_and_the_sweep_removes_it():
     tag = uuid.uuid4().hex[:6]
     name = netns.NetnsPlan(tag, 1, 1e6).namespace(0)
     subprocess.run(["ip", "netns", "add", name], check=True)
+    # a process left inside (a rank whose launcher was SIGKILLed) must go with the network
+    inside = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "120"])
     try:
         assert netns.leftovers(tag) == [("netns", name)]  # negative control: it is seen
         assert tag in netns.sweep_stale()  # no live creator: stale
         assert netns.leftovers(tag) == []
+        assert inside.wait(timeout=10) == -signal.SIGKILL
     finally:
+        inside.kill()
         subprocess.run(["ip", "netns", "del", name], capture_output=True)

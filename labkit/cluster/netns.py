@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import os
 import re
+import signal
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -139,6 +140,12 @@ def remove(plan: NetnsPlan | str) -> None:
     tag = plan if isinstance(plan, str) else plan.tag
     for kind, name in leftovers(tag):
         if kind == "netns":
+            # A rank still inside (its launcher was SIGKILLed, or it outlived its job) would
+            # keep the namespace alive, unnamed, and wait on peers it can no longer reach:
+            # only this run's ranks ever enter its namespaces, so they go with it.
+            for pid in _ip("ip", "netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             _ip("ip", "netns", "del", name, check=False)
         elif kind == "link":
             _ip("ip", "link", "del", name, check=False)
