@@ -91,8 +91,11 @@ def _rank_job(with_mnist: bool) -> dict:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: tuple(p.shape) for n, p in params}
     for dtype in (torch.float16, torch.bfloat16):
-        for impl in ("torch", "ring"):
-            comm = Comm(None, impl=impl)
+        for impl in ("torch", "ring", "ring-accum"):
+            # labkit's ring sends 16-bit partials only when asked (wire="input"); its default
+            # stages the reduce phase in fp32 (one rounding), which moves 1.5x the bytes
+            wire = "accum" if impl == "ring-accum" else "input"
+            comm = Comm(None, impl=impl.split("-")[0], wire=wire)
             ddp = FlatDDP(model, comm=comm, compression=Fp16Compression(dtype))
             grads = _grads(0, rank, shapes)
             for n, p in params:
@@ -192,7 +195,7 @@ def test_fp16_average_within_summation_bound_and_half_the_bytes(world, dtype):
     per_rank = [_grads(0, r, _shapes()) for r in range(w)]
     numel = sum(g.numel() for g in per_rank[0].values())
     nparams = len(per_rank[0])
-    for impl in ("torch", "ring"):
+    for impl in ("torch", "ring", "ring-accum"):
         got = results[0][("fp", dtype, impl)]
         for name, g in got.items():
             used = [r for r in range(w) if not (name.startswith("extra.") and r == 0)]
@@ -208,8 +211,11 @@ def test_fp16_average_within_summation_bound_and_half_the_bytes(world, dtype):
             for n, g in got.items()
             if not n.startswith("extra.")
         )  # really rounded
-        # 2 bytes per element on the wire (a ring all-reduce sends 2 (w-1)/w of the buffer)
-        assert results[0][("fp_sent", dtype, impl)] == 2 * (w - 1) * 2 * (numel + nparams) // w
+        # 2 bytes per element on the wire (a ring all-reduce sends 2 (w-1)/w of the buffer);
+        # wire="accum": the reduce-scatter half travels as fp32 (4 bytes), the gather as 16-bit
+        per_element = 4 + 2 if impl == "ring-accum" else 2 + 2
+        sent = results[0][("fp_sent", dtype, impl)]
+        assert sent == (w - 1) * per_element * (numel + nparams) // w
 
 
 @pytest.mark.timeout(240)
