@@ -24,6 +24,9 @@ from labkit.labs.drills import (
 from labkit.profiling.breakdown import departures, format_table, largest_departure
 from tests.ranks import run_ranks
 
+# Compares measured durations: ./run-tests runs it alone, after the concurrent phase.
+pytestmark = pytest.mark.timing
+
 CPU_FAULTS = available_faults("cpu")
 TIMED = [f for f in CPU_FAULTS if f != "host_sync"]  # host_sync costs ~nothing on a CPU
 

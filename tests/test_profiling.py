@@ -28,6 +28,9 @@ from labkit.profiling.derived import (
     time_to_accuracy,
 )
 
+# Compares measured durations: ./run-tests runs it alone, after the concurrent phase.
+pytestmark = pytest.mark.timing
+
 
 def _profiled(steps: int, data_s: float, comm_s: float, syncs: int):
     model = torch.nn.Linear(8, 4)
