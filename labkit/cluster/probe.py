@@ -1,9 +1,9 @@
 """Measure the links of an emulated cluster: bandwidth and fitted alpha-beta per link class.
 
 Inside ranks, :func:`probe_links` times a ping-pong between two ranks of node 0 (``intra``:
-ranks 0 and 1) and between rank 0 and the first rank of node 1 (``inter``). Each message goes
-through ``dist.batch_isend_irecv`` with one operation per side and phase (send, then the
-reply), so the order is NCCL-safe. One-way time = round trip / 2, the median of ``repeats``
+ranks 0 and 1) and between rank 0 and the first rank of node 1 (``inter``), with
+:func:`labkit.measure.collectives.pair_one_way` (one ``batch_isend_irecv`` per side and phase:
+NCCL-safe). One-way time = round trip / 2, the median of ``repeats``
 after one warm-up; ``fit_alpha_beta`` fits ``time = alpha + size * beta`` over the sizes, and
 the measured bandwidth is the largest size over its one-way time.
 
@@ -14,15 +14,14 @@ the measured bandwidth is the largest size over its one-way time.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from labkit.cluster.spec import EmulatedCluster, NodeTopology
 from labkit.collectives.cost_model import AlphaBeta, fit_alpha_beta
+from labkit.measure.collectives import pair_one_way
 
 # bytes; past 64 KB so that tbf's burst (the bytes a link lets through at line rate after an
 # idle spell, netns.py) does not pass for bandwidth
@@ -50,18 +49,6 @@ class ProbeResult:
     inter: LinkProbe | None
 
 
-def _one_way(peer: int, first: bool, buf: torch.Tensor, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        for sending in (first, not first):  # phase 1: first -> peer; phase 2: the reply
-            op = dist.isend if sending else dist.irecv
-            for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
-                work.wait()
-        samples.append((time.perf_counter() - start) / 2)
-    return statistics.median(samples[1:])
-
-
 def probe_links(
     topology: NodeTopology, sizes: tuple[int, ...] = SIZES, repeats: int = 3
 ) -> dict[str, LinkProbe | None]:
@@ -78,10 +65,8 @@ def probe_links(
     for name, pair in pairs.items():
         out[name] = None
         if pair is not None and rank in pair:
-            peer = pair[1] if rank == pair[0] else pair[0]
-            seconds = tuple(
-                _one_way(peer, rank == pair[0], torch.zeros(size // 4), repeats) for size in sizes
-            )
+            one_way = pair_one_way(pair, sizes, repeats, warmup=1)
+            seconds = tuple(statistics.median(one_way[size]) for size in sizes)
             fit = fit_alpha_beta([float(s) for s in sizes], seconds)
             out[name] = LinkProbe(pair, tuple(sizes), seconds, fit, sizes[-1] / seconds[-1])
         dist.barrier()

@@ -147,9 +147,10 @@ def hierarchical_all_reduce_time(
     _check_two_level(nbytes, nodes, ranks_per_node, nics_per_node)
     k, n = ranks_per_node, nodes
     (ai, bi), (ae, be) = intra, inter
-    sharing = -(-k // nics_per_node)  # flows per NIC
-    inside = 2 * (k - 1) * ai + 2 * (k - 1) / k * nbytes * bi
-    across = 2 * (n - 1) * ae + 2 * (n - 1) / n * (nbytes / k) * be * sharing
+    sharing = -(-k // nics_per_node)  # flows per NIC: each sees 1/sharing of its bandwidth
+    # reduce-scatter + all-gather inside the node = a ring all-reduce's cost on k ranks
+    inside = ring_all_reduce_time(nbytes, k, ai, bi)
+    across = ring_all_reduce_time(nbytes / k, n, ae, be * sharing)
     return inside + across
 
 

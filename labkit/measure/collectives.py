@@ -50,6 +50,7 @@ __all__ = [
     "format_table",
     "human_bytes",
     "memcpy_bandwidth",
+    "pair_one_way",
     "ping_pong",
     "ring_snapshots",
 ]
@@ -260,20 +261,26 @@ def memcpy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 # ---- one message: ping-pong between two ranks ----------------------------------------------
 
 
-def _ping_pong(sizes: Sequence[int], repeats: int, warmup: int) -> dict[int, list[float]]:
+def pair_one_way(
+    pair: tuple[int, int], sizes: Sequence[int], repeats: int, warmup: int
+) -> dict[int, list[float]]:
+    """Call on every rank: ranks ``pair[0]`` and ``pair[1]`` ping-pong a message of each size
+    (bytes) and return its one-way seconds (round trip / 2) per repeat, warm-up rounds dropped;
+    other ranks return ``{}``. Each phase is one ``batch_isend_irecv`` per side, the send
+    matched by the receive: NCCL-safe."""
     rank = dist.get_rank()
+    if rank not in pair:
+        return {}
+    peer = pair[1] if rank == pair[0] else pair[0]
     one_way: dict[int, list[float]] = {}
     for nbytes in sizes:
         buf = torch.zeros(nbytes // 4)
         for i in range(warmup + repeats):
-            dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:  # blocking, in matching order: safe under NCCL too
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            for sending in (rank == pair[0], rank != pair[0]):  # the ping, then the reply
+                op = dist.isend if sending else dist.irecv
+                for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+                    work.wait()
             if i >= warmup:  # a round trip is two messages
                 one_way.setdefault(nbytes, []).append((time.perf_counter() - t0) / 2)
     return one_way
@@ -287,7 +294,8 @@ def ping_pong(
     from labkit.launch import launch
 
     return launch(
-        _ping_pong,
+        pair_one_way,
+        (0, 1),
         list(sizes),
         repeats,
         warmup,

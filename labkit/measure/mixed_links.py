@@ -6,13 +6,13 @@ it, and a layout's measured step out of the per-rank results of
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from labkit.collectives.cost_model import AlphaBeta, fit_alpha_beta
+from labkit.collectives.hierarchical import node_groups
+from labkit.measure.threed import all_reduce_seconds
 from labkit.planner.cluster import Cluster
 
 __all__ = ["measure_links", "measured_step", "miniature_cluster"]
@@ -24,29 +24,12 @@ def measure_links(
     """On every rank: the fitted alpha-beta of an all-reduce inside each node (all nodes at
     once) and across nodes (one rank per node, every local rank at once, sharing the uplink
     as the workload does); every rank returns the same numbers (the slowest rank's times)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    n = dist.get_world_size()
-    grid = torch.arange(n).reshape(n // ranks_per_node, ranks_per_node)  # (node, local)
-    mesh = DeviceMesh("cpu", grid, mesh_dim_names=("node", "local"))
+    groups = node_groups(ranks_per_node)
     out = {}
-    for name, dim in (("intra", "local"), ("inter", "node")):
-        group = mesh.get_group(dim)
+    for name, group in (("intra", groups.intra), ("inter", groups.inter)):
         p = dist.get_world_size(group)
-        medians = []
-        for numel in sizes:
-            x = torch.ones(numel)
-            dist.all_reduce(x, group=group)  # warm-up
-            samples = []
-            for _ in range(repeats):
-                dist.barrier()
-                start = time.perf_counter()
-                dist.all_reduce(x, group=group)
-                samples.append(time.perf_counter() - start)
-            medians.append(statistics.median(samples))
-        t = torch.tensor(medians, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[name] = fit_alpha_beta([4.0 * s for s in sizes], t.tolist(),
+        seconds = all_reduce_seconds(tuple(sizes), repeats, group)
+        out[name] = fit_alpha_beta([4.0 * s for s in sizes], seconds,
                                    steps=2 * (p - 1), bytes_factor=2 * (p - 1) / p)  # fmt: skip
     return out
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from labkit.planner.cluster import Cluster
 
-__all__ = ["cpu_cluster", "gloo_alpha_bandwidth", "matmul_flops", "miniature"]
+__all__ = ["all_reduce_seconds", "cpu_cluster", "gloo_alpha_bandwidth", "matmul_flops", "miniature"]
 
 
 def matmul_flops(n: int = 256, repeats: int = 20) -> float:
@@ -38,6 +38,28 @@ def matmul_flops(n: int = 256, repeats: int = 20) -> float:
     return 2 * n**3 / statistics.median(samples)
 
 
+def all_reduce_seconds(
+    numels: tuple[int, ...], repeats: int, group: dist.ProcessGroup | None = None
+) -> list[float]:
+    """On every rank of the world: the median seconds of an fp32 all-reduce of each of
+    ``numels`` elements over ``group`` (one warm-up each, a world barrier before each timed
+    call); every rank returns the same numbers, the slowest rank's medians."""
+    medians = []
+    for numel in numels:
+        x = torch.ones(numel)
+        dist.all_reduce(x, group=group)  # warm-up
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(x, group=group)
+            samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples))
+    t = torch.tensor(medians, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank agrees on the same numbers
+    return t.tolist()
+
+
 def gloo_alpha_bandwidth(
     small: int = 1, large: int = 1 << 18, repeats: int = 5
 ) -> tuple[float, float]:
@@ -45,20 +67,7 @@ def gloo_alpha_bandwidth(
     times of a ``small``- and a ``large``-element fp32 all-reduce and the ring formula
     ``t = 2(n-1) alpha + 2(n-1)/n D / bw``."""
     n = dist.get_world_size()
-    times = []
-    for numel in (small, large):
-        x = torch.ones(numel)
-        dist.all_reduce(x)  # warm-up
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples))
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank agrees on the same numbers
-    t_small, t_large = t.tolist()
+    t_small, t_large = all_reduce_seconds((small, large), repeats)
     alpha = t_small / (2 * (n - 1))
     ring_bytes = 2 * (n - 1) / n * 4 * (large - small)
     bandwidth = ring_bytes / max(t_large - t_small, 1e-9)
