@@ -77,6 +77,19 @@ def _by_value(fn: Callable[..., Any]) -> None:
         cloudpickle.unregister_pickle_by_value(module)
 
 
+def value_errors(attempts: list[Callable[[], object]]) -> list[str]:
+    """The ValueError message of each attempt ("no error" if it raised none): what the
+    bad-argument tests compare across ranks (the same clear error on every rank)."""
+    errors = []
+    for attempt in attempts:
+        try:
+            attempt()
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 def close_worlds() -> None:
     """End every shared world (the session fixture calls this at the end of the run)."""
     while _WORLDS:

@@ -29,7 +29,7 @@ from torch.distributed import ReduceOp
 from labkit.collectives import cost_model as cm
 from labkit.collectives.common import chunk_offsets, chunk_sizes
 from labkit.collectives.nccl_order import P2PCall, nccl_problems
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, value_errors
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
 
@@ -358,12 +358,7 @@ def _bad_inputs() -> list[str]:
         lambda: ring_all_gather(torch.zeros(5 + rank), torch.zeros(3)),  # output size differs
         lambda: naive_all_reduce(torch.zeros(4), root=7),
     ]
-    for attempt in attempts:
-        try:
-            attempt()
-            errors.append("no error")
-        except ValueError as exc:
-            errors.append(str(exc))
+    errors += value_errors(attempts)
     x = torch.ones(5)  # the group still works after all that
     ring_all_reduce(x)
     errors.append(f"after: {x.tolist()}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
 
 import cloudpickle
 import pytest
@@ -26,7 +25,7 @@ from torch.distributed import ReduceOp
 
 from labkit.collectives import cost_model as cm
 from labkit.collectives.nccl_order import P2PCall, nccl_problems
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, value_errors
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
 
@@ -112,18 +111,6 @@ def _layout(k: int, results: dict[str, torch.Tensor]) -> list[str]:
     return bad
 
 
-def _errors(attempts: list[Callable[[], object]]) -> list[str]:
-    """The ValueError message of each attempt ("no error" if it raised none)."""
-    errors = []
-    for attempt in attempts:
-        try:
-            attempt()
-            errors.append("no error")
-        except ValueError as exc:
-            errors.append(str(exc))
-    return errors
-
-
 def _bad_arguments(groups: object) -> list[str]:
     """Each attempt must raise the same ValueError on every rank, and the group keeps working."""
     from labkit.collectives import NodeGroups, hierarchical_all_reduce, node_groups
@@ -143,7 +130,7 @@ def _bad_arguments(groups: object) -> list[str]:
         lambda: hierarchical_all_reduce(torch.zeros(4), wrong),
         lambda: node_groups(p - 1),
     ]
-    errors = _errors(attempts)
+    errors = value_errors(attempts)
     x = torch.ones(5)
     hierarchical_all_reduce(x, groups)
     errors.append(f"after: {x.tolist()}")
@@ -181,7 +168,7 @@ def _comm(k: int) -> dict[str, object]:
     hier.reset()
     out["after_reset"] = (dict(hier.sent), dict(hier.sent_inter))
     sub = dist.new_group(list(range(p - 1)))
-    out["errors"] = _errors(
+    out["errors"] = value_errors(
         [
             lambda: Comm(None, "hierarchical"),
             lambda: Comm(sub, "hierarchical", nodes=groups) if rank < p - 1 else None,

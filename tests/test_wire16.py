@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from tests.ranks import run_ranks
-from tests.test_hierarchical import _errors
+from tests.ranks import run_ranks, value_errors
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
 
@@ -173,7 +172,7 @@ def _errors_and_pool(p: int) -> dict[str, Any]:
             pool=BufferPool(),
         ),
     ]
-    errors = _errors(attempts)
+    errors = value_errors(attempts)
     groups = node_groups(2 if p == 4 else 1)
     pool, y = BufferPool(), torch.randn(1001).to(torch.bfloat16)
 
