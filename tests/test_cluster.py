@@ -106,6 +106,33 @@ def test_node_uplink_is_shared_by_its_ranks(tmp_path):
     assert LinkClock(tmp_path / "links", nodes=3).send(1, 0, 10, 0.0, 1e-6) < first
 
 
+def test_link_clock_loses_no_reservation_between_threads(tmp_path):
+    # Two sending threads of one rank share its LinkClock (fcntl locks belong to the process,
+    # so they alone do not exclude the other thread). Every reservation holds node 0's uplink
+    # for 1 s, far longer than the test runs, so each one starts where the previous ended:
+    # after N of them the uplink is busy exactly N s past the first start, and no two arrive
+    # at the same time. A lost update (both threads read the same busy time) breaks both.
+    import threading
+
+    clock, n = LinkClock(tmp_path / "links", nodes=2), 4000
+    arrivals: list[list[float]] = [[], []]
+    start = threading.Barrier(2)
+
+    def sender(i: int) -> None:
+        start.wait()
+        arrivals[i] = [clock.send(0, 1, 10**6, 0.0, 1e-6) for _ in range(n)]
+
+    threads = [threading.Thread(target=sender, args=(i,)) for i in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    every = sorted(arrivals[0] + arrivals[1])
+    lost = 2 * n - len(set(every))
+    assert lost == 0, f"{lost} of {2 * n} reservations lost"
+    assert every[-1] - every[0] == pytest.approx(2 * n - 1, abs=1e-6)
+
+
 # ------------------------------------------------------------------ ranks on a cluster
 
 
@@ -159,6 +186,61 @@ def test_software_cluster_is_slow_across_nodes(tmp_path):
     assert all(r["all_reduce_s"] >= floor * 0.99 for r in out)  # the modeled cost was paid
     assert all(r["ifname"] == "" for r in out)  # no namespaces in software mode
     assert out[0]["send_done_at_issue"] is False
+
+
+def test_arrival_board_gives_the_last_arrival_of_each_call(tmp_path):
+    # Two ranks of one group (two boards on one run folder, as two processes): call n on the
+    # group is the same collective on both, whatever each rank did on other groups.
+    from types import SimpleNamespace
+
+    from labkit.cluster.modeled import ArrivalBoard
+
+    group, other = SimpleNamespace(group_name="7"), SimpleNamespace(group_name="dp/8")
+    a, b = ArrivalBoard(tmp_path / "links", 0), ArrivalBoard(tmp_path / "links", 1)
+    a.arrive(other, [0, 1], 50.0)  # another group's calls do not shift this group's count
+    last_a = [a.arrive(group, [0, 1], t) for t in (10.0, 20.0)]
+    last_b = [b.arrive(group, [0, 1], t) for t in (12.0, 19.0)]
+    assert [f() for f in last_a] == [12.0, 20.0] and [f() for f in last_b] == [12.0, 20.0]
+
+
+LATE, COST_BW = 0.4, 20e3  # rank 1 enters 0.4 s late; 4000 bytes at 20 kB/s: a 0.2 s ring
+
+
+def _late_rank() -> dict:
+    """Each rank's (enter, exit) of a cross-node all-reduce that rank 1 enters late, blocking
+    and async, on the shared monotonic clock."""
+    import time as _time
+
+    out = {}
+    for mode in ("blocking", "async"):
+        dist.barrier()  # uncharged: both start together
+        x = torch.ones(1000)  # 4000 bytes
+        if dist.get_rank() == 1:
+            _time.sleep(LATE)
+        enter = _time.monotonic()
+        if mode == "async":
+            dist.all_reduce(x, async_op=True).wait()
+        else:
+            dist.all_reduce(x)
+        out[mode] = (enter, _time.monotonic())
+    return out
+
+
+@pytest.mark.timing  # the closeness of the two ends is a measured duration
+def test_charged_collective_ends_at_the_last_arrival_plus_its_cost(tmp_path):
+    # A collective cannot start before its last rank arrives: the early rank must not be
+    # charged from its own start (where the late rank's 0.4 s would hide the 0.2 s cost).
+    cluster = EmulatedCluster(nodes=2, inter_bandwidth=COST_BW, mode="software")
+    cost = flat_ring_cost("all_reduce", 4000, [0, 1], 0.0, 1 / COST_BW)
+    assert cost == pytest.approx(0.2)
+    out = launch(_late_rank, world_size=2, cluster=cluster, backend="gloo", timeout=60,
+                 quiet=True)  # fmt: skip
+    for mode in ("blocking", "async"):
+        (_, early_exit), (late_enter, late_exit) = out[0][mode], out[1][mode]
+        assert early_exit >= late_enter + cost * 0.98, (mode, early_exit - late_enter)
+        assert late_exit >= late_enter + cost * 0.98, (mode, late_exit - late_enter)
+        assert abs(early_exit - late_exit) < 0.1, (mode, early_exit - late_exit)
+        assert late_exit < late_enter + cost + 0.1, (mode, late_exit - late_enter)  # charged once
 
 
 def test_netns_cluster_is_slow_across_nodes_and_cleans_up(tmp_path):

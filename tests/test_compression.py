@@ -10,6 +10,8 @@ tensors; all assertions happen here, in the test process, against values recompu
 * fp16/bf16: every averaged element within Higham's summation bound of the exact mean, half the
   bytes on the wire, and torch's own ``fp16_compress_hook`` / ``bf16_compress_hook`` give the
   same bits (2 ranks) or agree within the bound (3 ranks);
+* PowerSGD on bf16 / fp16 gradients (a 16-bit model; before: no 16-bit QR, a crash) agrees
+  with the fp32 path given the same gradients within the 16-bit pipeline's roundings;
 * low-rank PowerSGD: the error-feedback invariant ``sum_t M_hat_t + mean_r e_r == sum_t
   mean_r grad_r(t)`` over several steps, ``r (n + m)`` numbers per matrix in ``comm.sent``,
   bit-identical results on every rank; without error feedback the invariant fails;
@@ -128,6 +130,28 @@ def _rank_job(with_mnist: bool) -> dict:
         errors = {n: psgd.errors.get(id(p)) for n, p in params}
         out[("ef", ef)] = {"applied": applied, "sent": sent, "errors": errors}
 
+    # PowerSGD on 16-bit gradients (a bf16 / fp16 model) against the fp32 path given the same
+    # (16-bit) gradients: low rank (rank 1) and full rank (the exact mean), 3 steps each.
+    for dtype in (torch.bfloat16, torch.float16):
+        for r, rate in ((1, 1), (16, 0)):
+            runs: dict = {}
+            for run_dtype in (dtype, torch.float32):
+                psgd = PowerSGD(rank=r, min_compression_rate=rate, seed=7)
+                ddp = FlatDDP(eq.AwkwardNet().to(run_dtype), comm=Comm(None), compression=psgd)
+                params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+                runs[run_dtype] = []
+                for step in range(3):
+                    grads = _grads(step, rank, shapes)
+                    for n, p in params:
+                        p.grad = grads[n].to(dtype).to(run_dtype)
+                    try:
+                        ddp.finish_gradient_sync()
+                    except (RuntimeError, NotImplementedError) as err:  # before: no 16-bit QR
+                        runs[run_dtype] = f"{type(err).__name__}: {err}"
+                        break
+                    runs[run_dtype].append({n: p.grad.float() for n, p in params})
+            out[("psgd16", dtype, r)] = runs
+
     if with_mnist:
         cfgs = [
             mnist.MnistConfig(
@@ -239,6 +263,36 @@ def test_fp16_agrees_with_torch_compress_hook(world, dtype):
         gamma = (w + 1) * u / (1 - (w + 1) * u)  # torch rounds once more (the 16-bit divide)
         assert ((ours - theirs).abs() <= 2 * gamma * scale / w).all()
         assert not torch.equal(ours, theirs)  # the double rounding is visible at world_size 3
+
+
+@pytest.mark.timeout(240)
+def test_powersgd_on_16_bit_gradients_agrees_with_fp32(world):
+    """bf16 / fp16 gradients (before: ``torch.linalg.qr`` has no 16-bit kernel, the sync
+    crashed). Each step's result differs from the fp32 path's, given the same gradients, by
+    the roundings of the 16-bit pipeline: M + e, P = M Q, its W-term sum, Q after the QR
+    (upcast, one rounding), M^T P, its W-term sum, P Q^T and the division by W: about
+    (2 W + 4) u of the result's scale; twice that, since error feedback carries the previous
+    step's roundings into this one. Negative control: bf16's errors exceed fp16's tolerance
+    (the tolerance follows the dtype's unit roundoff)."""
+    w, results, _ = world
+    worst_bf16 = 0.0
+    for dtype in (torch.bfloat16, torch.float16):
+        tol = 2 * (2 * w + 4) * UNIT_ROUNDOFF[dtype]
+        for r in (1, 16):
+            for rank in range(w):
+                runs = results[rank][("psgd16", dtype, r)]
+                assert not isinstance(runs[dtype], str), (dtype, r, runs[dtype])
+                for step, (low, exact) in enumerate(zip(runs[dtype], runs[torch.float32])):
+                    for name, want in exact.items():
+                        err = float((low[name] - want).abs().max() / want.abs().max())
+                        assert err <= tol, (dtype, r, rank, step, name, err / tol)
+                        if dtype == torch.bfloat16:
+                            worst_bf16 = max(worst_bf16, err)
+            same = results[0][("psgd16", dtype, r)][dtype]
+            for rank in range(1, w):  # every rank applies the very same update
+                other = results[rank][("psgd16", dtype, r)][dtype]
+                assert all(torch.equal(a[n], b[n]) for a, b in zip(same, other) for n in a)
+    assert worst_bf16 > 2 * (2 * w + 4) * UNIT_ROUNDOFF[torch.float16], worst_bf16
 
 
 # ---- low-rank PowerSGD: error feedback, bytes ----------------------------------------------

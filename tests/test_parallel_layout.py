@@ -37,6 +37,16 @@ def test_rank_grid_64_ranks_keeps_tp_adjacent() -> None:
         assert sorted(r for group in g[name] for r in group) == list(range(64))
 
 
+def test_rank_grid_in_another_order_numbers_dp_innermost() -> None:
+    d = ParallelDegrees(dp=2, tp=3, pp=2)  # dp-tp-pp: rank = pp_i (tp dp) + tp_i dp + dp_i
+    g = rank_grid(d, "dp-tp-pp")
+    assert g["dp"][:2] == [[0, 1], [2, 3]] and g["tp"][0] == [0, 2, 4]
+    assert g["pp"][0] == [0, 6]
+    assert rank_grid(d, "tp-dp-pp") == rank_grid(d)  # Megatron's order is the default
+    with pytest.raises(ValueError, match=r"rank order 'tp-tp-pp' must name each of"):
+        rank_grid(d, "tp-tp-pp")
+
+
 def _layout_groups(dp: int, tp: int, pp: int) -> dict[str, list[int]]:
     import torch.distributed as dist
 

@@ -172,8 +172,9 @@ def test_bad_input_names_the_numbers():
         check_pipeline(2, 4, 8)
     with pytest.raises(ValueError, match="m=2, p=4"):
         check_pipeline(8, 4, 2, "interleaved", 2)
-    with pytest.raises(ValueError, match="n_layer=6 is not divisible by p=4 x v=1 = 4"):
-        check_pipeline(6, 4, 8)
+    check_pipeline(6, 4, 8)  # 6 layers on 4 stages: an uneven cut, no longer refused
+    with pytest.raises(ValueError, match=r"layers per stage \[2, 2, 1\] sum to 5, but n_layer=6"):
+        check_pipeline(6, 3, 8, layers_per_stage=(2, 2, 1))
     with pytest.raises(
         ValueError, match="n_layer=4 is not divisible by p=2 x v=3 = 6|6 pipeline stages"
     ):

@@ -165,9 +165,26 @@ def test_planner_with_the_simulated_bubble_ranks_the_same() -> None:
     formula = plan(cfg, cluster, 128, **kw)
     simulated = plan(cfg, cluster, 128, bubble="simulated", **kw)
     assert [r.candidate for r in formula[:10]] == [r.candidate for r in simulated[:10]]
-    for a, b in zip(formula, simulated):
-        if a.candidate == b.candidate:
-            assert b.time["bubble"] == pytest.approx(a.time["bubble"], rel=1e-6)
+    by_cand = {r.candidate: r for r in simulated}
+    s, h, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
+    for a in formula:
+        b, c = by_cand[a.candidate], a.candidate
+        # the closed form charges every slot at the slowest stage (the head's): an upper bound
+        assert b.time["bubble"] <= a.time["bubble"] * (1 + 1e-9)
+        if c.pp == 1 or c.virtual > 1:
+            continue
+        # 1F1B with the heaviest stage last idles the other stages' time once: (p - 1) stages
+        # of l/p layers, none carrying the head's 6 b s h V (Megatron's per-layer FLOPs)
+        layer = (
+            megatron_flops_per_iteration(c.micro_batch, s, 1, h, V, recompute=c.recompute == "full")
+            - 6 * c.micro_batch * s * h * V
+        )
+        if c.recompute == "selective":
+            layer += 4 * c.micro_batch * s * s * h
+        mid = cfg.n_layer / c.pp * layer
+        per_micro = a.time["compute"] / a.micro_batches
+        want = per_micro * (c.pp - 1) * mid / (mid + 6 * c.micro_batch * s * h * V)
+        assert b.time["bubble"] == pytest.approx(want, rel=1e-9), c
     # the enumeration covers the issue's axes, and MFU is in (0, 1)
     seen = {(r.candidate.zero, r.candidate.recompute, r.candidate.virtual) for r in formula}
     assert {z for z, _, _ in seen} == {0, 1} and {v for _, _, v in seen} == {1, 2}
@@ -247,3 +264,62 @@ def test_planner_widget_replans_when_the_cluster_changes() -> None:
     assert "layouts fit of 40 GB" in w.table.value
     with pytest.raises(ValueError, match="no GPT shape for 7B"):
         gpt_of_size(7)
+
+
+def _small() -> tuple[GPTConfig, Cluster]:
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=5, n_head=4, n_embd=64)
+    cluster = Cluster(
+        nodes=1, gpus_per_node=2, memory_bytes=1e9, peak_flops=1e12,
+        intra_bandwidth=1e10, inter_bandwidth=1e9, intra_latency=0, inter_latency=0,
+    )  # fmt: skip
+    return cfg, cluster
+
+
+def test_an_uneven_cut_is_costed_stage_by_stage() -> None:
+    """5 layers on 2 stages: the slowest rank's blocks (and the head) set the compute, the
+    prediction moves with the cut, and the simulated bubble is the hand count."""
+    cfg, cluster = _small()
+    b, s, h, V, m = 1, 32, 64, 64, 4
+    layer = megatron_flops_per_iteration(b, s, 1, h, V) - 6 * b * s * h * V  # full recompute
+    head = 6 * b * s * h * V
+    rate = cluster.peak_flops * 0.5
+    preds = {}
+    for cut in (None, (3, 2), (2, 3), (4, 1), (1, 4), (0, 5)):
+        cand = Candidate(dp=1, tp=1, pp=2, micro_batch=b, stage_layers=cut)
+        preds[cut] = predict(cfg, cluster, m, cand)
+        counts = cut or (3, 2)  # the default spread: the extra block on stage 0
+        per_micro = max(counts[0] * layer, counts[1] * layer + head) / rate
+        assert preds[cut].time["compute"] == pytest.approx(m * per_micro), cut
+        assert preds[cut].time["bubble"] == pytest.approx(per_micro), cut  # (p - 1) slots
+
+    def parts(pred: object) -> tuple[dict, dict]:
+        return pred.time, pred.memory  # type: ignore[attr-defined]
+
+    assert parts(preds[None]) == parts(preds[(3, 2)])
+    steps = {cut: p.step_seconds for cut, p in preds.items()}
+    assert len({round(t, 12) for t in steps.values()}) == 5  # (3, 2) = default; others differ
+    assert preds[(4, 1)].memory["parameters"] > preds[(3, 2)].memory["parameters"]
+    # the simulated bubble: 1F1B whose last stage is the heaviest idles stage 0's time once
+    sim = predict(cfg, cluster, m, Candidate(1, 1, 2, b, stage_layers=(1, 4)), bubble="simulated")
+    assert sim.time["bubble"] == pytest.approx(layer / rate)
+    # an even cut written out equals the default one; a bad cut is named before anything runs
+    even = cfg.with_(n_layer=4)
+    written = predict(even, cluster, m, Candidate(1, 1, 2, b, stage_layers=(2, 2)))
+    assert parts(written) == parts(predict(even, cluster, m, Candidate(1, 1, 2, b)))
+    with pytest.raises(ValueError, match=r"layers per stage \[3, 3\] sum to 6, but n_layer=5"):
+        predict(cfg, cluster, m, Candidate(1, 1, 2, b, stage_layers=(3, 3)))
+
+
+def test_uneven_layouts_are_enumerated_on_request() -> None:
+    cfg, cluster = _small()
+    even = {c.pp for c in plan_candidates(cfg, cluster)}
+    uneven = {c.pp for c in plan_candidates(cfg, cluster, uneven=True)}
+    assert even == {1} and uneven == {1, 2}  # 5 layers: p = 2 only by an uneven cut
+    ranked = plan(cfg, cluster, 4, uneven=True)
+    assert {r.candidate.pp for r in ranked} == {1, 2}
+
+
+def plan_candidates(cfg: GPTConfig, cluster: Cluster, **kw: object) -> list[Candidate]:
+    from labkit.planner import enumerate_candidates
+
+    return enumerate_candidates(cfg, cluster, 4, **kw)  # type: ignore[arg-type]

@@ -6,6 +6,10 @@ AdamW steps of 2 micro-batches each, with dropout active (SP off and on, torch a
 collectives, tied and untied head); communication per block and per step against the
 formula; activation bytes per layer against Korthikanti Table 2; Megatron's dropout streams;
 mismatched configs; and a negative control (f and g swapped) that must fail equivalence.
+The composed case goes through ``labkit.parallel.compose`` with every block checkpointed, and
+proves it (each block's forward ran twice, the recompute's collectives counted). The
+vocab-parallel loss at the edges: ignore_index, all ignored, out-of-range targets (an error
+on every rank), against ``F.cross_entropy`` on the gathered logits.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ def _gather_last(t: torch.Tensor) -> torch.Tensor:
 def _equivalence(cfg: GPTConfig, sp: bool, impl: str, checkpoint: bool = False) -> dict[str, Any]:
     """Train the GPT and its TP version side by side; the largest differences, and the
     communication of one step (2 micro-batches). ``checkpoint``: built through
-    ``labkit.parallel.compose`` with activation checkpointing after TP."""
+    ``labkit.parallel.compose`` over a real layout, every block checkpointed after TP; the
+    forwards each block really ran are counted (a recompute is a second one)."""
+    from labkit.activation_checkpoint import CheckpointedBlock
     from labkit.models import GPT, lm_loss
     from labkit.tensor_parallel import (
         TPConfig,
@@ -61,9 +67,25 @@ def _equivalence(cfg: GPTConfig, sp: bool, impl: str, checkpoint: bool = False) 
 
     torch.manual_seed(0)
     ref = seeded_dropout(GPT(cfg), seed=7)
-    tp = tensor_parallel(
-        ref, None, TPConfig(sequence_parallel=sp, impl=impl, masks="sliced", seed=7)
-    )
+    tp_cfg = TPConfig(sequence_parallel=sp, impl=impl, masks="sliced", seed=7)
+    forwards = [0] * cfg.n_layer
+    if checkpoint:
+        import torch.distributed as dist
+
+        from labkit.parallel import ParallelDegrees, build_layout
+        from labkit.parallel.compose import compose
+
+        layout = build_layout(ParallelDegrees(tp=dist.get_world_size()))
+        tp: Any = compose(ref, layout, tensor_parallel=tp_cfg, checkpoint="full")
+        for i, block in enumerate(tp.gpt.blocks):
+            assert isinstance(block, CheckpointedBlock), type(block)
+
+            def count(*_: Any, i: int = i) -> None:
+                forwards[i] += 1
+
+            block.block.register_forward_hook(count)  # the wrapped block: runs twice if recomputed
+    else:
+        tp = tensor_parallel(ref, None, tp_cfg)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-2)
     out: dict[str, Any] = {"loss": 0.0, "logits": 0.0, "grads": 0.0}
@@ -97,6 +119,7 @@ def _equivalence(cfg: GPTConfig, sp: bool, impl: str, checkpoint: bool = False) 
     out["names"] = sorted(params) == sorted(n for n, _ in ref.named_parameters())
     out["calls"] = {k: dict(c.calls) for k, c in tp.comms.items()}  # the last step
     out["sent"] = {k: dict(c.sent) for k, c in tp.comms.items()}
+    out["block_forwards"] = forwards  # over all steps and micro-batches (counted if composed)
     return out
 
 
@@ -176,9 +199,64 @@ def _memory() -> dict[str, tuple[int, int]]:
     return out
 
 
+def _loss_edges() -> dict[str, Any]:
+    """The vocab-parallel loss and its logits' gradients against ``F.cross_entropy`` on the
+    gathered logits: padding (-100) ignored, another ``ignore_index``, every target ignored;
+    out-of-range targets, the same on every rank or on one rank only (each rank's error)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from labkit.collectives import Comm
+    from labkit.tensor_parallel import vocab_parallel_cross_entropy
+
+    rank, t, V = dist.get_rank(), dist.get_world_size(), CFG.vocab_size
+    n, comm = V // t, Comm(None)
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(B, T, V, generator=g) * 3  # (B, T, V), the same on every rank
+    tgt = torch.randint(0, V, (B, T), generator=g)
+    tgt[0, :5], tgt[1, -3:] = -100, -100  # padding
+
+    def ours(targets: torch.Tensor, **kw: Any) -> tuple[float, torch.Tensor]:
+        mine = full[..., rank * n : (rank + 1) * n].clone().requires_grad_()  # (B, T, V/t)
+        loss = vocab_parallel_cross_entropy(mine, targets, comm, **kw)
+        loss.backward()
+        assert mine.grad is not None
+        return loss.item(), _gather_last(mine.grad)
+
+    def theirs(targets: torch.Tensor, **kw: Any) -> tuple[float, torch.Tensor]:
+        x = full.clone().requires_grad_()
+        loss = F.cross_entropy(x.reshape(-1, V), targets.reshape(-1), **kw)
+        loss.backward()
+        assert x.grad is not None
+        return loss.item(), x.grad
+
+    out: dict[str, Any] = {}
+    cases = {
+        "padded": (tgt, {}),
+        "ignore_7": (tgt.masked_fill(tgt == -100, 7), {"ignore_index": 7}),
+        "all_ignored": (torch.full_like(tgt, -100), {}),
+    }
+    for case, (targets, kw) in cases.items():
+        (loss, grad), (want, want_grad) = ours(targets, **kw), theirs(targets, **kw)
+        out[case] = {"loss": loss, "want": want, "grads": (grad - want_grad).abs().max().item()}
+    # negative control: the padding counted as a real token (target 0) is another loss
+    out["padding_counted"] = theirs(tgt.clamp(min=0))[0]
+    bad = {"above": V + 3, "negative": -5, "rank0_only": V if rank == 0 else 1}
+    for case, value in bad.items():
+        targets = tgt.clone()
+        targets[0, 7] = value
+        try:
+            ours(targets)
+            out[case] = "no error"
+        except IndexError as err:
+            out[case] = str(err)
+    return out
+
+
 def _all_cases(tp: int) -> dict[str, Any]:
     impls = ("torch", "ring") if tp == 2 else ("ring", "torch")
     return {
+        "loss_edges": _loss_edges(),
         "eq_tp": _equivalence(CFG, False, impls[0]),
         "eq_sp": _equivalence(CFG, True, impls[1]),
         "eq_untied": _equivalence(CFG.with_(tie_weights=False), tp == 4, "torch"),
@@ -207,6 +285,58 @@ def test_equivalent_to_unsharded_gpt(world: tuple[int, list[dict[str, Any]]], ca
             assert eq[what] < TOL[what], (
                 f"tp={tp} {case} rank {rank}: {what} differ by {eq[what]:.3g}"
             )
+
+
+def test_composed_case_really_checkpoints(world: tuple[int, list[dict[str, Any]]]) -> None:
+    """eq_composed goes through ``compose`` with every block checkpointed: each block's
+    forward ran twice per micro-batch (forward, then recompute in backward), and each block's
+    communicator saw the recompute's collectives on top of a plain step's (SP at tp=2)."""
+    tp, results = world
+    for r in results:
+        assert r["eq_composed"]["block_forwards"] == [2 * STEPS * MICRO] * CFG.n_layer
+        formula = block_comm_formula(B, T, CFG.n_embd, tp, tp == 2)
+        for i in range(CFG.n_layer):
+            recomputed = {
+                k: MICRO * (v + formula.forward_calls.get(k, 0)) for k, v in formula.calls.items()
+            }
+            assert r["eq_composed"]["calls"][f"block{i}"] == recomputed
+        # negative control: the plain (uncomposed) case has no recompute
+        assert r["eq_sp" if tp == 2 else "eq_tp"]["calls"]["block0"] != recomputed
+
+
+def test_vocab_parallel_loss_matches_torch_at_the_edges(
+    world: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """F.cross_entropy's semantics: ignore_index (-100 and another value) not counted in the
+    mean, zero gradient there; all ignored: nan loss, zero gradient (before: -100 counted,
+    10.72 against 11.43 at tp=2). The negative control: counting the padding is far off."""
+    import math
+
+    tp, results = world
+    for rank, r in enumerate(results):
+        e = r["loss_edges"]
+        for case in ("padded", "ignore_7"):
+            assert abs(e[case]["loss"] - e[case]["want"]) < 1e-5, (tp, rank, case, e[case])
+            assert e[case]["grads"] < 1e-6, (tp, rank, case, e[case])
+        assert math.isnan(e["all_ignored"]["loss"]) and math.isnan(e["all_ignored"]["want"])
+        assert e["all_ignored"]["grads"] == 0.0
+        assert abs(e["padding_counted"] - e["padded"]["want"]) > 100 * 1e-5, e
+
+
+def test_out_of_range_targets_raise_on_every_rank(
+    world: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """As F.cross_entropy, an IndexError naming the value; raised on every rank, also when
+    only rank 0's targets hold it (no peer is left waiting in a collective)."""
+    tp, results = world
+    V = CFG.vocab_size
+    for rank, r in enumerate(results):
+        e = r["loss_edges"]
+        assert f"out of range [0, {V})" in e["above"] and f"[{V + 3}]" in e["above"], e["above"]
+        assert "[-5]" in e["negative"], e["negative"]
+        msg = e["rank0_only"]
+        assert msg != "no error" and "bad targets per rank: rank 0: " in msg, msg
+        assert f"rank {tp - 1}: 0" in msg and (f"[{V}]" in msg) == (rank == 0), msg
 
 
 def test_swapping_f_and_g_breaks_equivalence(world: tuple[int, list[dict[str, Any]]]) -> None:
@@ -303,6 +433,23 @@ def test_sized_formula_is_table2_at_16_bit() -> None:
         assert activation_bytes_per_layer_sized(2048, 4, 2048, 16, tp=t, sp=sp) == pytest.approx(
             paper
         )
+
+
+def test_parallel_and_tensor_parallel_import_one_way() -> None:
+    """tensor_parallel (a technique) imports labkit.parallel.layout only; labkit.parallel's
+    package import does not pull compose (which imports tensor_parallel) back in. Before:
+    parallel/__init__ -> compose -> tensor_parallel -> transform -> parallel, a circle
+    (compose's import was lazy, inside the function, and still a circle)."""
+    from tests.test_imports import cycles, import_graph
+
+    graph = import_graph()
+    assert graph["labkit.parallel"] == {"labkit.parallel.layout"}, graph["labkit.parallel"]
+    assert (
+        graph["labkit.tensor_parallel.transform"] & {"labkit.parallel", "labkit.parallel.compose"}
+        == set()
+    )
+    ours = ("labkit.parallel", "labkit.tensor_parallel")
+    assert [c for c in cycles(graph) if any(m.startswith(ours) for m in c)] == []
 
 
 def test_bad_sizes_fail_before_any_process_starts() -> None:

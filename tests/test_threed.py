@@ -1,10 +1,12 @@
 """3D parallelism (dp x tp x pp) on gloo ranks against single-process training.
 
-One 8-rank call: dp=2 x tp=2 x pp=2 (DDP over dp, 1F1B), and the same degrees with ZeRO-1
-and the interleaved schedule (v = 2). One 4-rank call: dp x tp = 2 x 2 with ZeRO-1 (pp = 1)
-and dp x tp x pp = 1 x 2 x 2. Every case: tied embeddings (the head on the last stage, the
-embedding on the first: Megatron's embedding group when they sit on different ranks), a
-frozen parameter (wpe), 2 micro-batches per replica; after 3 AdamW steps every stage's full
+One 8-rank call: dp=2 x tp=2 x pp=2 (DDP over dp, 1F1B), and the same degrees with ZeRO-1,
+the interleaved schedule (v = 2) and every block checkpointed. One 4-rank call: dp x tp =
+2 x 2 with ZeRO-1 (pp = 1) and dp x tp x pp = 1 x 2 x 2 with every 2nd block checkpointed
+(each rank counts its blocks' recomputes in backward: the checkpointing really applies).
+Every case: tied embeddings (the head on the last stage, the embedding on the first:
+Megatron's embedding group when they sit on different ranks), a frozen parameter (wpe),
+2 micro-batches per replica; after 3 AdamW steps every stage's full
 parameters (tensor shards gathered) and every step's loss equal the reference's. Negative
 control: the reference without the second replica's micro-batches is far from the result.
 The layout and bad-input tests run without processes.
@@ -28,9 +30,26 @@ def _cfg(dp: int, tp: int, pp: int, **kw: object) -> LabConfig:
 
 
 def _train_all(cfgs: list[LabConfig]) -> list[dict]:
+    """Train each config; also count the GPT blocks' forwards on this rank: in the forward
+    pass, and inside backward (an activation-checkpointing recompute)."""
     from labkit.labs.threed import train
+    from labkit.models.gpt import Block
 
-    return [train(c) for c in cfgs]
+    out = []
+    for c in cfgs:
+        counts = {"forward": 0, "recompute": 0}
+
+        def count(module: torch.nn.Module, *_: object, counts: dict = counts) -> None:
+            if isinstance(module, Block):  # a CheckpointedBlock runs its inner Block
+                in_backward = torch._C._current_graph_task_id() != -1
+                counts["recompute" if in_backward else "forward"] += 1
+
+        handle = torch.nn.modules.module.register_module_forward_hook(count)
+        try:
+            out.append({**train(c), "block_runs": counts})
+        finally:
+            handle.remove()
+    return out
 
 
 def _check(cfg: LabConfig, per_rank: list[dict]) -> None:
@@ -60,18 +79,37 @@ def _check(cfg: LabConfig, per_rank: list[dict]) -> None:
         assert worst > 100 * TOL
 
 
+def _check_recomputes(per_rank: list[dict], share: float) -> None:
+    """Activation checkpointing really composed: ``share`` of the block forwards each rank ran
+    were recomputed in backward (1: every block, 0: none)."""
+    for r in per_rank:
+        runs = r["block_runs"]
+        assert runs["forward"] > 0 and runs["recompute"] == share * runs["forward"], (
+            r["rank"], runs
+        )  # fmt: skip
+
+
 def test_dp2_tp2_pp2_on_8_ranks() -> None:
-    cfgs = [_cfg(2, 2, 2), _cfg(2, 2, 2, zero="zero1", schedule="interleaved", virtual=2)]
+    """The second config checkpoints every block (compose: after TP, before the pipeline)."""
+    cfgs = [
+        _cfg(2, 2, 2),
+        _cfg(2, 2, 2, zero="zero1", schedule="interleaved", virtual=2, checkpoint="full"),
+    ]
     out = run_ranks(_train_all, cfgs, world_size=8, timeout=300)
     for i, cfg in enumerate(cfgs):
         _check(cfg, [r[i] for r in out])
+    _check_recomputes([r[0] for r in out], 0)  # negative control: no checkpointing, no recompute
+    _check_recomputes([r[1] for r in out], 1)
 
 
 def test_zero1_2x2_and_1x2x2_on_4_ranks() -> None:
-    cfgs = [_cfg(2, 2, 1, zero="zero1"), _cfg(1, 2, 2)]
+    """The second config checkpoints every 2nd block (0 and 2 of 4: one of each stage's two)."""
+    cfgs = [_cfg(2, 2, 1, zero="zero1"), _cfg(1, 2, 2, checkpoint=2)]
     out = run_ranks(_train_all, cfgs, world_size=4, timeout=300)
     for i, cfg in enumerate(cfgs):
         _check(cfg, [r[i] for r in out])
+    _check_recomputes([r[0] for r in out], 0)
+    _check_recomputes([r[1] for r in out], 0.5)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +119,7 @@ def test_zero1_2x2_and_1x2x2_on_4_ranks() -> None:
         ((1, 3, 1), 3, TINY, r"hidden size 32 is not divisible by tp=3"),
         ((1, 8, 1), 8, TINY, r"head count 4 is not divisible by tp=8"),
         ((1, 2, 1), 2, TINY.with_(vocab_size=65), r"vocabulary 65 is not divisible by tp=2"),
-        ((1, 1, 3), 3, TINY, r"n_layer=4 is not divisible by p=3"),
+        ((1, 1, 5), 5, TINY, r"5 pipeline stages \(p=5 x v=1\) but only n_layer=4"),
     ],
 )
 def test_bad_input_named_before_start(degrees, world, model, match) -> None:  # noqa: ANN001

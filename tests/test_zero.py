@@ -9,6 +9,10 @@
   parameter; also with prefetching, labkit's ring collectives and FSDP-style wrapping;
 * with bf16 parameters and fp32 master weights every stage matches labkit.precision's
   single-process MixedPrecisionTrainer (within bf16 rounding of the gradients);
+* ZeRO-3 with a module only rank 0 runs (2 and 3 ranks, in the same call): the first step's
+  check raises the same ValueError on every rank, naming the module and the fix, instead of
+  a gloo abort; the fix it suggests (the module out of the sharded units, ``wrap``) trains
+  equal to the reference;
 * bad options raise before any communication;
 * the measured ledger of a 10.7M-parameter GPT on 2 and 4 ranks agrees with the model within
   5% for every model-state category and every stage (fp32, and bf16 + fp32 master for
@@ -174,6 +178,30 @@ def _train_all_variants() -> list:
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
+    skipped = []  # ZeRO-3 with a module only rank 0 runs: the first step's error, every rank
+    for kw in ({}, {"prefetch": True}):
+        torch.manual_seed(0)
+        model = Branchy()
+        opt = make_optimizer("zero3", model, AdamConfig(lr=LR), **kw)
+        x, y = _data(0, 0)
+        try:
+            pred = model(x.chunk(n)[rank], rank == 0, False)
+            nn.functional.mse_loss(pred, y.chunk(n)[rank]).backward()
+            skipped.append("no error")
+        except ValueError as err:
+            skipped.append(str(err))
+    # the fix the error suggests: `side` kept out of the sharded units (wrap lists body only)
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = make_optimizer("zero3", model, AdamConfig(lr=LR), wrap=[model.body], prefetch=True)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(ACCUM):
+            x, y = _data(step, micro)
+            pred = model(x.chunk(n)[rank], rank == 0, False)
+            (nn.functional.mse_loss(pred, y.chunk(n)[rank]) / ACCUM).backward()
+        opt.step()
+    wrapped = opt.full_state_dict()
     results = []
     for stage, kw in VARIANTS:
         torch.manual_seed(0)
@@ -203,7 +231,7 @@ def _train_all_variants() -> list:
                 (nn.functional.mse_loss(out, y.chunk(n)[rank]) / ACCUM).backward()
             opt.step()
         mixed.append((stage, opt.full_state_dict()))
-    return [results, mixed]
+    return [results, mixed, skipped, wrapped]
 
 
 def _reference() -> tuple[nn.Module, torch.optim.AdamW]:
@@ -232,13 +260,18 @@ def _mixed_reference() -> list[nn.Parameter]:
     return trainer.master
 
 
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def variants(request) -> tuple[int, list]:  # noqa: ANN001
+    """One call per world size runs every variant; the tests below assert on its results."""
+    return request.param, run_ranks(_train_all_variants, world_size=request.param, timeout=100)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_stage_equals_single_process_adamw(world_size):
+def test_every_stage_equals_single_process_adamw(variants):
+    world_size, per_rank = variants
     ref, ref_opt = _reference()
-    per_rank = run_ranks(_train_all_variants, world_size=world_size, timeout=100)
     assert all(sd is None for _, _, sd, _ in per_rank[1][0])  # consolidated on rank 0 only
-    fp32_results, mixed_results = per_rank[0]
+    fp32_results, mixed_results = per_rank[0][:2]
     # bf16 compute + fp32 master: per-rank bf16 gradients summed differ from full-batch bf16
     # gradients by bf16 rounding, so allow a tenth of one step's size (lr); a missing
     # master -> parameter copy or a wrong master would be off by ~lr per step
@@ -273,6 +306,48 @@ def test_every_stage_equals_single_process_adamw(world_size):
                     rtol=1e-5,
                     msg=lambda m, w=what, k=key, nm=name: f"{w}, {k} of {nm}: {m}",
                 )
+
+
+@pytest.mark.timeout(120)
+def test_zero3_module_skipped_by_a_rank_raises_on_every_rank(variants):
+    """ZeRO-3 requires every rank to run the same modules; the first step checks it. ``side``
+    runs on rank 0 only: every rank raises the same ValueError naming it and the fix (before:
+    gloo aborted the ranks, "data size doesn't match"), with and without prefetching, and the
+    world stays usable (the other variants run after it in the same call). The suggested fix,
+    ``side`` out of the sharded units (wrap=[body]), trains equal to the reference."""
+    world_size, per_rank = variants
+    for rank, r in enumerate(per_rank):
+        for msg in r[2]:
+            assert "ZeRO-3: the ranks did not run the same modules" in msg, (rank, msg)
+            assert "module 'side' ran on rank(s) 0 but was skipped on the other ranks" in msg, msg
+            assert "rank 0: all-gather for module 'side' (in forward)" in msg, msg
+            assert "Fix: run the module on every rank" in msg and "wrap=[" in msg, msg
+        assert r[2] == per_rank[0][2]  # the same error on every rank
+    ref = _branchy_reference(world_size)[0][-1]
+    got = per_rank[0][3]["params"]
+    assert set(got) == set(ref)
+    for name, want in ref.items():
+        torch.testing.assert_close(got[name], want, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_lockstep_messages_name_the_modules_without_processes():
+    """The message's verdicts: a rank still in forward where the others' forward ended ran a
+    module they skipped; two ranks in forward on different modules: one of the two; a rank
+    with a collective left where the others ended their backward."""
+    from labkit.zero.lockstep import END, GATHER, REDUCE, LockstepCheck
+
+    check = object.__new__(LockstepCheck)  # only the naming: no group needed
+    check.names, check.count = ["<the model>", "body", "side"], 7
+    msg = check._message([(GATHER, 4, 2, 0), (GATHER, 3, 1, 1), (GATHER, 3, 1, 1)])
+    assert "collective 7 of the first forward and backward" in msg
+    assert "rank 0: all-gather for module 'side' (in forward)" in msg
+    assert "ranks 1, 2: all-gather for module 'body' (in backward)" in msg
+    assert "module 'side' ran on rank(s) 0 but was skipped on the other ranks" in msg
+    msg = check._message([(GATHER, 4, 2, 0), (GATHER, 3, 1, 0)])
+    assert "one rank ran a module another skipped: 'side' (rank(s) 0) or 'body' (rank(s) 1)" in msg
+    msg = check._message([(REDUCE, 4, 2, 1), (END, -1, -1, 1)])
+    assert "rank 0: reduce-scatter the gradients for module 'side' (in backward)" in msg
+    assert "rank 1: end of the first backward (no collective left)" in msg
 
 
 # --------------------------------------------------------------------------- the ledger
@@ -460,9 +535,9 @@ def _rank_dependent_checkpointed_scaled() -> dict:
     return out
 
 
-def _branchy_reference() -> tuple[list[dict[str, torch.Tensor]], nn.Module, dict]:
-    """Single-process AdamW on the full batch, each rank's chunk through its own branch."""
-    n = 3
+def _branchy_reference(n: int = 3) -> tuple[list[dict[str, torch.Tensor]], nn.Module, dict]:
+    """Single-process AdamW on the full batch, each of ``n`` ranks' chunks through its own
+    branch."""
     torch.manual_seed(0)
     model = Branchy()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)

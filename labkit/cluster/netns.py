@@ -20,9 +20,16 @@ Layout of a run tagged ``t`` (6 hex digits) with N nodes::
   latency (tens of microseconds); ``EmulatedCluster.inter_latency`` applies to software mode.
 
 Cleanup: the launcher calls :func:`remove` on every exit path and registers it ``atexit``.
-Each run writes ``/run/labkit-cluster/<tag>`` holding its creator's pid and start time before
-creating anything; :func:`sweep_stale` (at the start of every netns launch) removes runs whose
-creator is gone (SIGKILL of the caller, a crash). :func:`leftovers` lists what remains.
+Each run writes ``/run/labkit-cluster/<tag>`` holding its creator's pid, start time and user
+before creating anything; :func:`sweep_stale` (at the start of every netns launch) removes
+runs whose creator is gone (SIGKILL of the caller, a crash). :func:`leftovers` lists what
+remains.
+
+Records are written whole or not at all (a temporary file, then ``os.replace``) in a folder
+only their user can write (checked like the runs folder, ``labkit.launch.runs``). The sweep
+acts on a record only when it is complete, a regular file, and its user's own: a partial or
+foreign record is left alone, never read as "creator gone". A network with no record at all
+was made by hand or outlived its record: it is stale.
 """
 
 from __future__ import annotations
@@ -30,13 +37,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from labkit.launch.runs import check_private
 
 RECORDS = Path("/run/labkit-cluster")
 NETNS_DIR = Path("/var/run/netns")
@@ -45,6 +57,7 @@ _BURST_S = 0.002  # tbf bucket: 2 ms of traffic at the shaped rate
 _QUEUE_S = 0.2  # tbf queue: at most 200 ms of traffic waits before drops
 _NS = re.compile(r"^lk-([0-9a-f]{6})-(?:n\d+|sw)$")
 _LINK = re.compile(r"^lk([0-9a-f]{6})(?:[ns]\d+|br)$")
+_TAG = re.compile(r"^[0-9a-f]{6}$")
 _live_plans: set[NetnsPlan] = set()  # created by this process and not yet removed
 
 
@@ -106,11 +119,59 @@ def _process_id(pid: int) -> str:
     return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
 
 
+def _records() -> Path:
+    """The records folder, created mode 0700; refused when others can write it."""
+    RECORDS.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(RECORDS, 0o700)
+    check_private(RECORDS, others_may_read=True)
+    return RECORDS
+
+
+def write_record(tag: str) -> None:
+    """Record that this process creates run ``tag``: whole or not at all (temp + rename)."""
+    folder = _records()
+    payload = json.dumps({"creator": _process_id(os.getpid()), "uid": os.geteuid()})
+    tmp = folder / f".{tag}.{os.getpid()}.tmp"  # not a tag: the sweep never reads it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / tag)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def read_record(tag: str) -> dict[str, Any] | None:
+    """Run ``tag``'s record when it is complete, a regular file and this user's; else None."""
+    path = RECORDS / tag
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        try:
+            record = json.loads(f.read())
+        except ValueError:  # partial (or not ours in any format)
+            return None
+    if not (isinstance(record, dict) and record.get("uid") == os.geteuid()):
+        return None
+    creator = record.get("creator")
+    parts = creator.split() if isinstance(creator, str) else []
+    return record if len(parts) == 2 and all(p.isdigit() for p in parts) else None
+
+
 def create(plan: NetnsPlan) -> None:
     """Build the run's namespaces, bridge, veth pairs, addresses and shaping (root only).
     On any failure everything built so far is removed before the error propagates."""
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    (RECORDS / plan.tag).write_text(_process_id(os.getpid()))
+    write_record(plan.tag)
     _live_plans.add(plan)
     atexit.register(remove, plan)
     try:
@@ -176,20 +237,22 @@ def leftovers(tag: str | None = None) -> list[tuple[str, str]]:
 
 
 def sweep_stale() -> list[str]:
-    """Remove the networks of runs whose creator process is gone; return their tags."""
+    """Remove the networks of runs whose creator process is gone; return their tags.
+
+    Only complete records of this user's runs are read (see the module docstring)."""
     tags = {m[1] for _, name in leftovers() if (m := re.search(r"lk-?([0-9a-f]{6})", name))}
-    with contextlib.suppress(OSError):
-        tags.update(p.name for p in RECORDS.iterdir())
+    if RECORDS.exists():
+        tags.update(p.name for p in _records().iterdir() if _TAG.match(p.name))
     stale = []
     for tag in sorted(tags):
-        try:
-            owner = (RECORDS / tag).read_text()
-        except OSError:
-            owner = ""  # no record: made by hand, or its record is gone
-        pid = int(owner.split()[0]) if owner.strip() else -1
-        if pid <= 0 or _process_id(pid) != owner:
-            remove(tag)
-            stale.append(tag)
+        if os.path.lexists(RECORDS / tag):
+            record = read_record(tag)
+            if record is None:
+                continue  # partial, foreign or not a file: never taken for "creator gone"
+            if _process_id(int(record["creator"].split()[0])) == record["creator"]:
+                continue  # its creator lives
+        remove(tag)  # its creator is gone, or it has no record (made by hand, record lost)
+        stale.append(tag)
     return stale
 
 

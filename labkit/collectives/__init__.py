@@ -11,14 +11,19 @@ Read in this order (lesson ``notebooks/02_collectives.ipynb``):
 * ``hierarchical.py`` two levels for a cluster: reduce-scatter in the node, all-reduce across
                     nodes, all-gather in the node; ``node_groups(ranks_per_node)`` builds them.
 * ``cost_model.py`` the alpha-beta formulas of all of the above, and a fit of alpha and beta.
-* ``common.py``     ops, chunking, batched messages, reusable buffers and the one validation.
+* ``common.py``     ops, chunking, batched messages and the one validation.
+* ``pool.py``       the reusable scratch buffers, one set per thread: any collective may run on
+                    any thread, on different groups at once.
+* ``profiled.py``   one ``labkit:<collective>`` profiler range per call, so a profile's
+                    all-reduce count (``labkit.profiling``) includes labkit's own.
 * ``nccl_order.py`` records every point-to-point call and proves the order cannot deadlock NCCL.
 * ``labkit/measure/collectives.py``: algbw/busbw as nccl-tests define them, ours vs torch's;
   ``labkit/viz/collectives.py``: the lesson's pictures.
 * ``comm.py``       ``Comm(group, impl="torch" | "ring" | "hierarchical", nodes=)``: the one
                     switch every technique uses, with the bytes each call sends counted.
 
-Every collective takes ``group=`` (None = WORLD) and checks, by default, that all ranks
+Every collective takes ``group=`` (None = WORLD), sends only over that group (so two threads
+on two groups never see each other's messages) and checks, by default, that all ranks
 passed the same size, op and dtype, so a mismatch is a clear error on every rank, not a hang.
 """
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
-from labkit.collectives.common import DEFAULT_POOL, BufferPool
+from labkit.collectives.common import DEFAULT_POOL, BufferPool, profiled
 from labkit.collectives.cost_model import crossover_bytes
 from labkit.collectives.ring_tuned import tuned_all_reduce
 from labkit.collectives.tree import recursive_doubling_all_reduce
@@ -56,6 +56,7 @@ class AllReduceChoice:
         return "recursive doubling" if nbytes <= self.small_bytes else "ring"
 
 
+@profiled("all_reduce")
 def all_reduce(
     tensor: torch.Tensor,
     op: object = ReduceOp.SUM,

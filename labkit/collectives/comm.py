@@ -13,7 +13,9 @@ technique from PyTorch's collectives to labkit's ring is one argument, ``impl="r
 tuned ring over the whole group, node-ordered): a sharded optimizer's shards span the world,
 and a two-level reduce-scatter would only reorder which rank owns which shard. labkit's
 collectives block, so ``async_op=True`` degrades to a finished call for "ring" and
-"hierarchical" (the DDP wrappers run them on a communication thread to overlap).
+"hierarchical" (the DDP wrappers run them on a communication thread to overlap; that thread
+and the main thread's tensor parallelism may communicate at once, on different groups: each
+thread has its own scratch buffers, :mod:`labkit.collectives.pool`).
 torch.distributed's functions are looked up at call time, so a wrapper installed on
 ``dist`` inside a rank (the emulated cluster's software link model) sees every call.
 

@@ -22,9 +22,18 @@ Kept apart so that ``naive.py``, ``ring.py`` and ``tree.py`` each read as one al
 * **Messages.** :func:`post` puts one step's sends and receives in ONE
   ``dist.batch_isend_irecv``, the order that cannot deadlock under NCCL (see its docstring);
   ``tests/test_collectives.py`` records every point-to-point call to prove it.
-* **Buffers.** :class:`BufferPool` hands out scratch tensors that are allocated once and grown
-  geometrically. On a CPU, a fresh 128 MB tensor costs ~57 ms of page faults on first touch,
-  more than gloo needs to move it, so per-call allocation would dominate the timing.
+* **Buffers.** :class:`~labkit.collectives.pool.BufferPool` (in ``pool.py``, re-exported here)
+  hands out scratch tensors that are allocated once and grown geometrically, one set per
+  thread (the thread rule is in its docstring): every collective is safe on any thread, on
+  different groups at once.
+* **Groups.** Every message names the collective's group (``post``, and the blocking
+  ``send``/``recv`` of ``naive.py`` and ``tree.py``), so two threads on two groups never match
+  each other's messages (gloo pairs point-to-point messages per group, by peer and tag).
+* **Profiling.** Every public collective is :func:`~labkit.collectives.profiled.profiled`
+  (``profiled.py``, re-exported here): under ``torch.profiler`` it is
+  one ``record_function`` range ``labkit:<collective>`` (as torch's are ``gloo:all_reduce``),
+  for the outermost labkit collective of a thread only, so
+  :data:`labkit.profiling.breakdown.COUNTED` counts labkit's all-reduces once each.
 * **Validation.** :func:`validate` is the one argument check every collective calls first.
   Every rank sends a row of integers (its sizes, op, dtype, and whether its own arguments are
   valid) to every other rank, so a mismatch is the same clear ``ValueError`` on every rank,
@@ -43,6 +52,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from labkit.collectives.pool import DEFAULT_POOL, BufferPool
+from labkit.collectives.profiled import PROFILE_PREFIX, profiled
 from labkit.parallel.layout import global_rank, group_rank_and_size
 
 __all__ = [
@@ -62,6 +73,8 @@ __all__ = [
     "op_dtype_fields",
     "op_name",
     "post",
+    "PROFILE_PREFIX",
+    "profiled",
     "validate",
     "validate_in_place",
     "validate_sharded",
@@ -259,43 +272,6 @@ def _agree(
             )
 
 
-class BufferPool:
-    """Scratch tensors reused across calls, one growing allocation per (slot, dtype, device).
-
-    ``get(slot, numel, dtype, device)`` returns the first ``numel`` elements of a cached flat
-    tensor. A request larger than the cache reallocates to ``max(numel, 2 * old)`` so a
-    sequence of growing calls costs O(log) allocations. ``allocations`` counts them (tests
-    use it to prove reuse). A returned view stays valid until the next ``get`` of that slot.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-        self.allocations = 0
-        self.validated: set[tuple[Any, ...]] = (
-            set()
-        )  # argument combinations :func:`validate` passed
-
-    def get(self, slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (slot, dtype, torch.device(device))
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            grown = max(numel, 2 * buf.numel()) if buf is not None else numel
-            buf = torch.empty(grown, dtype=dtype, device=device)
-            self._buffers[key] = buf
-            self.allocations += 1
-        return buf[:numel]
-
-    def clear(self) -> None:
-        """Free every scratch buffer and forget validated arguments: the next call redoes both."""
-        self._buffers.clear()
-        self.validated.clear()
-
-
-# One pool per process: scratch memory, like the buffers NCCL keeps per communicator. Every
-# collective takes ``pool=`` to use another one (e.g. to free memory with ``pool.clear()``).
-DEFAULT_POOL = BufferPool()
-
-
 def validate(
     what: str,
     group: ProcessGroup | None,
@@ -325,7 +301,7 @@ def validate(
     if group is None:
         group = dist.group.WORLD
     key = (what, group.group_name, id(group), *fields.values())  # type: ignore[union-attr]
-    if problem is None and key in pool.validated:
+    if problem is None and pool.is_validated(key):
         return
     try:
         row = [int(problem is not None), *fields.values()]
@@ -336,7 +312,7 @@ def validate(
             raise
     if problem is not None:  # this rank's own reason, rather than "rank r rejected"
         raise ValueError(problem)
-    pool.validated.add(key)
+    pool.mark_validated(key)
 
 
 def validate_sharded(

@@ -65,6 +65,7 @@ from labkit.collectives.auto import AllReduceChoice, all_reduce
 from labkit.collectives.common import (
     DEFAULT_POOL,
     BufferPool,
+    profiled,
     validate_in_place,
     wire_dtype,
     wire_fields,
@@ -148,6 +149,7 @@ def node_groups(ranks_per_node: int, device_type: str | None = None) -> NodeGrou
     )
 
 
+@profiled("all_reduce")
 def hierarchical_all_reduce(
     tensor: torch.Tensor,
     groups: NodeGroups,

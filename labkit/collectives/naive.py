@@ -27,12 +27,14 @@ from labkit.collectives.common import (
     combine_,
     global_rank,
     group_rank_and_size,
+    profiled,
     validate_in_place,
 )
 
 __all__ = ["naive_all_reduce"]
 
 
+@profiled("all_reduce")
 def naive_all_reduce(
     tensor: torch.Tensor,
     op: object = ReduceOp.SUM,
@@ -57,8 +59,8 @@ def naive_all_reduce(
         return tensor
     flat = tensor.view(-1)
     if rank != root:
-        dist.send(flat, global_rank(group, root))  # 1) my contribution goes up...
-        dist.recv(flat, global_rank(group, root))  # 2) ...and the result comes back
+        dist.send(flat, global_rank(group, root), group=group)  # 1) my contribution goes up...
+        dist.recv(flat, global_rank(group, root), group=group)  # 2) ...and the result comes back
         return tensor
     acc = accum_dtype(flat.dtype)
     total = (
@@ -69,7 +71,7 @@ def naive_all_reduce(
     incoming = pool.get("naive.recv", flat.numel(), flat.dtype, flat.device)
     for other in range(p):  # 1) reduce: (p-1) full tensors through the root's link
         if other != root:
-            dist.recv(incoming, global_rank(group, other))
+            dist.recv(incoming, global_rank(group, other), group=group)
             combine_(total, incoming, op)
     if op == ReduceOp.AVG:
         total.div_(p)
@@ -77,7 +79,7 @@ def naive_all_reduce(
         flat.copy_(total)
     # 2) broadcast: (p-1) full tensors again. Ungrouped, but NCCL-safe: towards each peer the
     # root posts recv then send, the peer send then recv, so the per-pair orders match.
-    works = [dist.isend(flat, global_rank(group, o)) for o in range(p) if o != root]
+    works = [dist.isend(flat, global_rank(group, o), group=group) for o in range(p) if o != root]
     for w in works:
         w.wait()  # type: ignore[union-attr]
     return tensor

@@ -31,6 +31,7 @@ from labkit.collectives.common import (
     BufferPool,
     combine_,
     exchange,
+    profiled,
     validate_in_place,
     validate_sharded,
     wire_dtype,
@@ -75,6 +76,7 @@ def validate_reduce_scatter(
     )
 
 
+@profiled("reduce_scatter")
 def ring_reduce_scatter(
     output_shard: torch.Tensor,
     input_full: torch.Tensor,
@@ -104,6 +106,7 @@ def ring_reduce_scatter(
     return output_shard
 
 
+@profiled("all_gather")
 def ring_all_gather(
     output_full: torch.Tensor,
     input_shard: torch.Tensor,
@@ -127,6 +130,7 @@ def ring_all_gather(
     return output_full
 
 
+@profiled("all_reduce")
 def ring_all_reduce(
     tensor: torch.Tensor,
     op: object = ReduceOp.SUM,

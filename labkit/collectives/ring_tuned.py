@@ -52,6 +52,7 @@ from labkit.collectives.common import (
     global_rank,
     group_rank_and_size,
     post,
+    profiled,
     validate_in_place,
     validate_sharded,
     wire_dtype,
@@ -132,6 +133,7 @@ def _reduce_scatter(
         send = recv
 
 
+@profiled("reduce_scatter")
 def tuned_reduce_scatter(
     output_shard: torch.Tensor,
     input_full: torch.Tensor,
@@ -155,6 +157,7 @@ def tuned_reduce_scatter(
     return output_shard
 
 
+@profiled("all_gather")
 def tuned_all_gather(
     output_full: torch.Tensor,
     input_shard: torch.Tensor,
@@ -175,6 +178,7 @@ def tuned_all_gather(
     return ring_all_gather(output_full, input_shard, group, check=False)
 
 
+@profiled("all_reduce")
 def tuned_all_reduce(
     tensor: torch.Tensor,
     op: object = ReduceOp.SUM,

@@ -39,6 +39,7 @@ from labkit.collectives.common import (
     exchange,
     global_rank,
     group_rank_and_size,
+    profiled,
     validate_in_place,
     wire_dtype,
     wire_fields,
@@ -57,12 +58,12 @@ def _recursive_doubling_(
     p2 = 1 << (p.bit_length() - 1)  # largest power of two <= p
     if rank >= p2:  # an extra rank: fold into rank - p2, then wait for the answer
         partner = global_rank(group, rank - p2)
-        dist.send(work, partner)
-        dist.recv(work, partner)
+        dist.send(work, partner, group=group)
+        dist.recv(work, partner, group=group)
         return
     recv = pool.get("rd.recv", work.numel(), work.dtype, work.device)
     if rank < p - p2:
-        dist.recv(recv, global_rank(group, rank + p2))
+        dist.recv(recv, global_rank(group, rank + p2), group=group)
         combine_(work, recv, op)
     mask = 1
     while mask < p2:
@@ -71,9 +72,10 @@ def _recursive_doubling_(
         combine_(work, recv, op)
         mask <<= 1
     if rank < p - p2:
-        dist.send(work, global_rank(group, rank + p2))
+        dist.send(work, global_rank(group, rank + p2), group=group)
 
 
+@profiled("all_reduce")
 def recursive_doubling_all_reduce(
     tensor: torch.Tensor,
     op: object = ReduceOp.SUM,
@@ -117,6 +119,7 @@ def recursive_doubling_all_reduce(
     return tensor
 
 
+@profiled("broadcast")
 def broadcast(
     tensor: torch.Tensor,
     src: int = 0,
@@ -144,8 +147,8 @@ def broadcast(
     mask = 1
     while mask < p:
         if me < mask and me + mask < p:
-            dist.send(flat, global_rank(group, (me + mask + src) % p))
+            dist.send(flat, global_rank(group, (me + mask + src) % p), group=group)
         elif mask <= me < 2 * mask:
-            dist.recv(flat, global_rank(group, (me - mask + src) % p))
+            dist.recv(flat, global_rank(group, (me - mask + src) % p), group=group)
         mask <<= 1
     return tensor

@@ -100,9 +100,22 @@ def powersgd_numel(shape: tuple[int, int], rank: int) -> int:
 
 
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``p``'s (n x r, r <= n). Householder QR: stays orthonormal
-    to machine precision even for rank-deficient ``p`` (a gradient of rank < r), where plain
-    Gram-Schmidt would normalise rounding noise into a direction that is not orthogonal."""
+    """Orthonormal columns spanning ``p``'s (n x r, r <= n), in ``p``'s dtype. Householder QR:
+    stays orthonormal to machine precision even for rank-deficient ``p`` (a gradient of rank
+    < r), where plain Gram-Schmidt would normalise rounding noise into a direction that is not
+    orthogonal.
+
+    16-bit ``p`` (bf16 / fp16 gradients): ``torch.linalg.qr`` has no kernel for them. torch's
+    own PowerSGD hook (``powerSGD_hook._orthogonalize``) switches to Gram-Schmidt in the 16-bit
+    dtype there; we upcast instead: QR on an fp32 copy, then one rounding of ``Q`` back. Why:
+    ``P`` is only n x r (the upcast costs 4 n r bytes, nothing next to the n x m gradient);
+    Gram-Schmidt in 16 bits squares each column in fp16 (it can overflow, torch's comment
+    warns), divides a zero column by a zero norm (nan, unless an epsilon is set), and loses
+    orthogonality in proportion to the unit roundoff times the condition of ``p``; the upcast
+    keeps the fp32 algorithm, so the 16-bit path differs from fp32 only by the rounding of its
+    inputs and of ``Q`` (orthonormal to within the 16-bit unit roundoff)."""
+    if p.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.qr(p.float(), mode="reduced").Q.to(p.dtype)  # (n, r)
     return torch.linalg.qr(p, mode="reduced").Q  # (n, r)
 
 

@@ -86,7 +86,7 @@ def traffic(
     links = group_links(cluster, d, t, p, order)
     grads = 2 * _stage_params(cfg, t, p)
     dpl = links["dp"]
-    if dpl.slow and dpl.ranks_per_node > 1:
+    if dpl.slow and dpl.ranks_per_node > 1 and dpl.balanced:  # as the planner's two levels
         n = dpl.nodes
         dp_bytes = 2 * (n - 1) / n * grads / dpl.ranks_per_node
     else:

@@ -23,15 +23,21 @@ Invariants the tests hold this module to:
 * a raising rank fails the job within seconds; the exception names that rank and carries its
   traceback, never a bystander that only saw "connection closed by peer";
 * a hang ends at ``timeout`` with every rank's Python stack;
-* no process outlives its job (success, failure, timeout, interrupt); workers also die with
-  their agent (``PR_SET_PDEATHSIG``) and the agent with its launcher;
+* no process outlives its job (success, failure, timeout, interrupt), nor a launcher that
+  dies, SIGKILL included: every process of a job (agent, forkserver, resource tracker, ranks,
+  whatever a rank starts) is one process group, killed within milliseconds by a watchdog that
+  sees the launcher's end of a pipe close (``lifeline.py`` says why ``PR_SET_PDEATHSIG`` alone
+  could not promise it);
+* a job's files (pickles: unpickling runs code) live in a folder only its user can write,
+  checked on every use (``runs.py``);
 * every launch rendezvous on its own free port on 127.0.0.1.
 
 Under ``torchrun`` the same worker functions run unchanged through :func:`run_from_env`.
 
 Read in this order: ``config.py`` (what a launch is asked to do, its errors), ``launcher.py``
 (the caller's side), ``agent.py`` (the elastic agent), ``rank.py`` (what runs on a rank),
-``report.py`` (who to blame when it fails, and where each rank was stuck). ``world.py`` and
+``report.py`` (who to blame when it fails, and where each rank was stuck), ``lifeline.py`` and
+``runs.py`` (process life and the runs folder, shared by both). ``world.py`` and
 ``world_rank.py`` keep ranks alive across calls (:class:`World`, the ``%%ranks`` magic of
 ``magic.py``) with the same guarantees, reusing the pieces above.
 """
@@ -49,6 +55,7 @@ from labkit.launch.config import (
     describe_machine,
 )
 from labkit.launch.launcher import launch
+from labkit.launch.magic import register_in_ipython
 from labkit.launch.rank import local_device, run_from_env, seed_everything
 from labkit.launch.world import World, WorldClosedError
 
@@ -78,3 +85,4 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+register_in_ipython()  # %%ranks, in a notebook (nothing in a script or a rank)

@@ -13,6 +13,7 @@ import cloudpickle
 
 from labkit.launch.config import _JOB_FILE, LaunchConfig
 from labkit.launch.rank import _set_pdeathsig, _worker, _write_json_atomic
+from labkit.launch.runs import check_run_dir
 
 
 def _agent_main(run_dir: str, parent_pid: int) -> int:
@@ -27,6 +28,7 @@ def _agent_main(run_dir: str, parent_pid: int) -> int:
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     run = Path(run_dir)
+    check_run_dir(run)  # never unpickle from a folder someone else can write (runs.py)
     with open(run / _JOB_FILE, "rb") as f:
         cfg: LaunchConfig = cloudpickle.load(f)["config"]
     options: dict = dict(

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from labkit.cluster.spec import EmulatedCluster
 
 _JOB_FILE = "job.pkl"
-_ENV_RUN_ID = "LABKIT_RUN_ID"
 
 
 class LaunchError(RuntimeError):
@@ -90,7 +89,7 @@ class LaunchConfig:
     start_method: str = "forkserver"
     threads_per_rank: int | None = None  # None: cores // world_size on CPU, at least 1
     host: str = "127.0.0.1"  # rendezvous address; "0.0.0.0" to accept other nodes
-    log_dir: Path | None = None  # None: a fresh folder under tempdir/labkit-runs
+    log_dir: Path | None = None  # None: a fresh folder under tempdir/labkit-runs-<uid>
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the workers
     quiet: bool = False  # True: do not echo worker output (it is still logged)
     cluster: EmulatedCluster | None = None  # None: one machine; else ranks live on its nodes

@@ -11,14 +11,11 @@ import linecache
 import os
 import queue
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import types
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,13 +24,14 @@ import cloudpickle
 import cloudpickle.cloudpickle as _cp
 
 from labkit.launch.config import (
-    _ENV_RUN_ID,
     _JOB_FILE,
     JobTimeoutError,
     LaunchConfig,
     LaunchError,
 )
+from labkit.launch.lifeline import RUN_ID_VAR, Lifeline, _running
 from labkit.launch.report import _dump_stacks, _error_records, _final_failure, _root_cause
+from labkit.launch.runs import new_run_dir, prune_old_runs, runs_root
 
 # The agent's first act, before it imports torch: start the forkserver the ranks will fork
 # from, so that its torch import runs in parallel with the agent's own.
@@ -86,49 +84,6 @@ def _dumps(job: dict[str, Any]) -> bytes:
     return buffer.getvalue() + cloudpickle.dumps(sources)
 
 
-def _runs_root() -> Path:
-    return Path(tempfile.gettempdir()) / "labkit-runs"
-
-
-def _prune_old_runs(root: Path, keep: int = 30, min_age_s: float = 3600.0) -> None:
-    """Delete all but the newest ``keep`` run folders, never one touched in the last hour
-    (a concurrent launch may still be writing there)."""
-    with contextlib.suppress(OSError):
-        runs = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)
-        now = time.time()
-        for old in runs[:-keep]:
-            if now - old.stat().st_mtime > min_age_s:
-                shutil.rmtree(old, ignore_errors=True)
-
-
-def _kill_tree(proc: subprocess.Popen[bytes], run: Path) -> None:
-    """SIGKILL the agent, every descendant, and any rank whose pid file we know; return once
-    each is dead (a zombie awaiting its reaper counts as dead: it holds nothing)."""
-    import psutil
-
-    pids: set[int] = set()
-    with contextlib.suppress(psutil.Error):
-        pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
-    for pid_file in run.glob("pid.*"):
-        with contextlib.suppress(ValueError, OSError):
-            pids.add(int(pid_file.read_text()))
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    victims = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            if p.environ().get(_ENV_RUN_ID) == run.name:  # never kill a recycled pid
-                p.kill()
-                victims.append(p)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while victims and time.monotonic() < deadline:
-        victims = [p for p in victims if _running(p)]
-        time.sleep(0.01)
-
-
 def _any_alive(run: Path, ranks: set[int]) -> bool:
     import psutil
 
@@ -137,15 +92,6 @@ def _any_alive(run: Path, ranks: set[int]) -> bool:
             if _running(psutil.Process(int((run / f"pid.{rank}").read_text()))):
                 return True
     return False
-
-
-def _running(p: Any) -> bool:
-    import psutil
-
-    try:
-        return bool(p.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False
 
 
 def _finished(run: Path, world_size: int) -> set[int]:
@@ -168,7 +114,7 @@ def _worker_env(cfg: LaunchConfig, run_id: str) -> dict[str, str]:
     env = {
         **os.environ,
         **cfg.env,
-        _ENV_RUN_ID: run_id,
+        RUN_ID_VAR: run_id,
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(threads),
         # The agent should never see the kernel's signal bookkeeping.
@@ -187,21 +133,13 @@ class _Job:
     def __init__(self, cfg: LaunchConfig, run: Path):
         self.cfg = cfg
         self.run = run
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _AGENT_BOOTSTRAP,
-                str(run),
-                str(os.getpid()),
-                str(cfg.start_method),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            env=_worker_env(cfg, run.name),
-            start_new_session=True,  # a terminal's Ctrl-C reaches us, and we decide what dies
-        )
+        env = _worker_env(cfg, run.name)
+        self.lifeline = Lifeline(env, run.name)  # first: the job's group and its watchdog
+        try:
+            self.proc = self._start_agent(env)
+        except BaseException:
+            self.lifeline.end()
+            raise
         self.lines: queue.Queue[tuple[str, str]] = queue.Queue()
         self.pumps = [
             threading.Thread(target=_pump, args=(self.proc.stdout, "out", self.lines), daemon=True),
@@ -213,6 +151,17 @@ class _Job:
         self.echoed: dict[tuple[int, str], int] = {}  # (rank, "out"/"err") -> lines shown
         self.first_failure: float | None = None
         self.silent_dead: set[int] = set()
+
+    def _start_agent(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-c", _AGENT_BOOTSTRAP]
+            + [str(self.run), str(os.getpid()), str(self.cfg.start_method)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            **self.lifeline.member(),  # in the job's group: it and all it starts die together
+        )
 
     def watch(self) -> None:
         """Print output until every rank's result is on disk, a failure is final, or the
@@ -295,8 +244,10 @@ class _Job:
 
     def stop(self) -> None:
         """Every way out (done, failed, timed out, interrupted) ends the whole job here; this
-        also reaps ranks of an agent that exited on its own."""
-        _kill_tree(self.proc, self.run)
+        also reaps ranks of an agent that exited on its own, and whatever a rank started."""
+        self.lifeline.end(roots=[self.proc.pid])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
         for t in self.pumps:
             t.join(timeout=2)
         self.drain(0)
@@ -349,14 +300,9 @@ def launch(
         )
     cfg = LaunchConfig(world_size=world_size, backend=backend, timeout=timeout, **options)
 
-    root = Path(cfg.log_dir) if cfg.log_dir is not None else _runs_root()
-    root.mkdir(parents=True, exist_ok=True)
-    _prune_old_runs(root)
-    run = Path(
-        tempfile.mkdtemp(
-            prefix=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-", dir=root
-        )
-    )
+    root = runs_root(cfg.log_dir)  # private to this user, checked (see runs.py)
+    prune_old_runs(root)
+    run = new_run_dir(root)
     with contextlib.ExitStack() as network:
         # An emulated cluster's network exists for the job's life only (see labkit.cluster).
         cluster = None

@@ -1,33 +1,33 @@
 """The ``%%ranks`` cell magic: a cell's body runs on every rank of a :class:`World`.
 
-Creating a ``World`` inside IPython registers the magic and makes that world the default.
-``%%ranks`` runs on the latest world; ``%%ranks w`` names one. Names a cell defines stay on
-the ranks for the next ``%%ranks`` cell; when the last line is an expression, each rank's
-value is printed as ``[rankN]: value``.
+Importing labkit inside IPython registers the magic (``labkit.launch`` calls
+:func:`register_in_ipython`; ``%load_ext labkit.launch.magic`` does the same by hand).
+``%%ranks`` runs on the latest world created (:meth:`World.latest`); ``%%ranks w`` names one.
+Names a cell defines stay on the ranks for the next ``%%ranks`` cell; when the last line is
+an expression, each rank's value is printed as ``[rankN]: value``.
+
+Imports run one way: this module knows :class:`World`; ``world.py`` knows nothing of magics.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import Any
 
-if TYPE_CHECKING:
-    from labkit.launch.world import World
-
-_latest: weakref.ref[World] | None = None
+from labkit.launch.world import World
 
 
-def register(world: World) -> None:
-    """Make ``world`` the default of ``%%ranks`` (registering the magic in IPython)."""
-    global _latest
-    _latest = weakref.ref(world)
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - IPython comes with Jupyter
-        return
-    shell = get_ipython()
+def register_in_ipython() -> None:
+    """Register ``%%ranks`` in the running IPython shell, when there is one."""
+    ipython = sys.modules.get("IPython")  # never import IPython into a script or a rank
+    shell = ipython.get_ipython() if ipython is not None else None
     if shell is not None:
-        shell.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
+        load_ipython_extension(shell)
+
+
+def load_ipython_extension(shell: Any) -> None:
+    """IPython's extension hook: ``%load_ext labkit.launch.magic``."""
+    shell.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
 
 
 def ranks(line: str, cell: str) -> None:
@@ -35,7 +35,7 @@ def ranks(line: str, cell: str) -> None:
     from IPython import get_ipython
 
     name = line.strip()
-    world: Any = get_ipython().user_ns.get(name) if name else (_latest() if _latest else None)
+    world: Any = get_ipython().user_ns.get(name) if name else World.latest()
     if world is None:
         raise NameError(
             f"%%ranks: no world named {name!r}"

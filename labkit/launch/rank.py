@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.launch.config import _JOB_FILE, LaunchConfig, choose_backend
+from labkit.launch.runs import check_run_dir
 
 _PR_SET_PDEATHSIG = 1
 
@@ -222,6 +223,7 @@ def _worker(run_dir: str) -> None:
     (run / f"pid.{rank}").write_text(str(os.getpid()))
     _report_before_teardown(run, rank)
 
+    check_run_dir(run)  # as the agent did: nothing is unpickled from a folder others can write
     with open(run / _JOB_FILE, "rb") as f:
         job = cloudpickle.load(f)
         linecache.cache.update(cloudpickle.load(f))

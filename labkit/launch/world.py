@@ -23,8 +23,9 @@ The guarantees are launch's. A rank that raises fails the call with its tracebac
 stays usable when every rank got back to its loop, and is otherwise stopped. A call that
 outlives its timeout gives every rank's stack and stops the world; an interrupt stops the
 ranks' code (or, when a rank does not stop, the world). A stopped or crashed world (a killed
-rank) restarts on the next call, saying so. Ranks die with the caller (``PR_SET_PDEATHSIG``
-and the closed socket) and with the world (``close``, garbage collection, interpreter exit).
+rank) restarts on the next call, saying so. The ranks, and every process they start, are one
+process group that dies with the caller, SIGKILL included (the lifeline, ``lifeline.py``), and
+with the world (``close``, garbage collection, interpreter exit), in milliseconds.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 
@@ -56,9 +57,10 @@ class WorldClosedError(LaunchError):
 class World:
     """``world_size`` ranks that stay alive across calls. See the module docstring.
 
-    Create it from a thread that lives as long as it (a notebook's, a script's main thread):
-    Linux sends the ranks' death signal when the thread that started them ends.
+    The latest world created is :meth:`latest` (the default world of ``%%ranks``).
     """
+
+    _latest: ClassVar[weakref.ref[World] | None] = None
 
     def __init__(
         self,
@@ -85,9 +87,12 @@ class World:
         self._calls = 0
         self._finalizer = weakref.finalize(self, stop, self._holder)
         self._start()
-        from labkit.launch.magic import register
+        World._latest = weakref.ref(self)
 
-        register(self)
+    @classmethod
+    def latest(cls) -> World | None:
+        """The most recently created world, while something else still holds it."""
+        return cls._latest() if cls._latest is not None else None
 
     # ---- life --------------------------------------------------------------------------
 
@@ -124,13 +129,13 @@ class World:
         stop(self._holder)
 
     def close(self) -> None:
-        """End every rank now. Calling the world afterwards raises :class:`WorldClosedError`."""
+        """End every rank, and whatever the ranks started, now. Calling the world afterwards
+        raises :class:`WorldClosedError`.
+
+        The whole process group is killed at once (no polite "close" to the ranks first: a
+        rank that exits before its children are collected orphans them, and they keep the
+        output pipes open)."""
         self._closed = True
-        ranks = self._holder[0]
-        if ranks is not None:
-            for conn in ranks.conns:
-                with contextlib.suppress(OSError):
-                    conn.send({"kind": "close"})
         self._finalizer()
 
     def __enter__(self) -> World:

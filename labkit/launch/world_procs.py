@@ -10,18 +10,18 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from labkit.launch.config import _ENV_RUN_ID, LaunchConfig
-from labkit.launch.launcher import _runs_root, _worker_env
+from labkit.launch.config import LaunchConfig
+from labkit.launch.launcher import _worker_env
+from labkit.launch.lifeline import Lifeline
 from labkit.launch.report import _stderr_tail
+from labkit.launch.runs import new_run_dir, runs_root
 from labkit.launch.world_rank import END_MARK
 
 _BOOTSTRAP = (
@@ -35,6 +35,7 @@ class _Ranks:
     """One incarnation of a world's processes and the threads that read their output."""
 
     run: Path
+    lifeline: Lifeline  # the incarnation's process group; kills it when the caller dies
     procs: list[subprocess.Popen[bytes]]
     conns: list[Connection]
     store: Any
@@ -48,19 +49,25 @@ class _Ranks:
         """Start ``cfg.world_size`` ranks (they join the group on a TCPStore served here)."""
         import torch.distributed as dist
 
-        root = _runs_root()
-        root.mkdir(parents=True, exist_ok=True)
-        prefix = time.strftime("world-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-"
-        run = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        run = new_run_dir(runs_root(), "world-")  # private to this user (runs.py)
         store = dist.TCPStore(cfg.host, 0, cfg.world_size, is_master=True, wait_for_workers=False)
         env = _worker_env(cfg, run.name)
         env["LABKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
-        ranks = cls(run, [], [], store)
+        ranks = cls(run, Lifeline(env, run.name), [], [], store)
+        try:
+            ranks._start(cfg, env)
+        except BaseException:
+            holder: list[_Ranks | None] = [ranks]
+            stop(holder)
+            raise
+        return ranks
+
+    def _start(self, cfg: LaunchConfig, env: dict[str, str]) -> None:
         for rank in range(cfg.world_size):
             ours, theirs = socket.socketpair()
             argv = [str(theirs.fileno()), str(rank), str(cfg.world_size), str(cfg.backend)]
-            argv += [f"{cfg.host}:{store.port}", str(run)]
-            ranks.procs.append(
+            argv += [f"{cfg.host}:{self.store.port}", str(self.run)]
+            self.procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", _BOOTSTRAP, *argv],
                     pass_fds=(theirs.fileno(),),
@@ -68,18 +75,17 @@ class _Ranks:
                     stderr=subprocess.PIPE,
                     stdin=subprocess.DEVNULL,
                     env=env,
-                    start_new_session=True,  # a terminal's Ctrl-C reaches us; we decide
+                    **self.lifeline.member(),  # the world's group: it dies with its caller
                 )
             )
             theirs.close()
-            ranks.conns.append(Connection(ours.detach()))
-            ranks.tails.append(collections.deque(maxlen=200))
-            for stream, tag in ((ranks.procs[-1].stdout, "out"), (ranks.procs[-1].stderr, "err")):
-                ranks.pumps.append(
-                    threading.Thread(target=_pump, args=(stream, rank, tag, ranks), daemon=True)
+            self.conns.append(Connection(ours.detach()))
+            self.tails.append(collections.deque(maxlen=200))
+            for stream, tag in ((self.procs[-1].stdout, "out"), (self.procs[-1].stderr, "err")):
+                self.pumps.append(
+                    threading.Thread(target=_pump, args=(stream, rank, tag, self), daemon=True)
                 )
-                ranks.pumps[-1].start()
-        return ranks
+                self.pumps[-1].start()
 
     def death(self, rank: int) -> dict[str, Any]:
         """How ``rank`` died (its socket closed): exit code, signal, the tail of its stderr."""
@@ -152,27 +158,19 @@ def _pump(stream: Any, rank: int, tag: str, ranks: _Ranks) -> None:
 
 
 def stop(holder: list[_Ranks | None]) -> None:
-    """SIGKILL every rank of the incarnation in ``holder`` and reap it; close its pipes."""
-    import psutil
-
+    """Kill every process of the incarnation in ``holder`` (ranks and whatever they started)
+    and reap them; close its pipes. Returns in milliseconds: once no process holds the output
+    pipes, the readers see their end at once."""
     ranks = holder[0]
     holder[0] = None
     if ranks is None:
         return
-    victims = []
-    for proc in ranks.procs:
-        with contextlib.suppress(psutil.Error):
-            victims += psutil.Process(proc.pid).children(recursive=True)
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-    for p in victims:
-        with contextlib.suppress(psutil.Error):
-            if p.environ().get(_ENV_RUN_ID) == ranks.run.name:  # never a recycled pid
-                p.kill()
+    ranks.lifeline.end(roots=[p.pid for p in ranks.procs])
     for proc in ranks.procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
     for conn in ranks.conns:
         conn.close()
+    deadline = time.monotonic() + 2.0
     for t in ranks.pumps:
-        t.join(timeout=2)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -3,7 +3,8 @@
 A rank joins the default process group once, then loops: receive a call from the caller over
 its socket, run it, flush its output, mark the end of the call on stdout and stderr (so the
 caller has printed every line of a call before it returns), send back the result or the
-error record. The loop ends when the caller says ``close`` or its socket closes.
+error record. The loop ends when the caller's socket closes; ``close`` kills the rank's whole
+process group (:mod:`labkit.launch.lifeline`), which also ends it when the caller dies.
 
 Two kinds of call: ``run`` (a pickled function, as ``launch`` ships it) and ``exec`` (cell
 source run in this rank's persistent namespace, the body of a ``%%ranks`` cell). An
@@ -30,7 +31,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit.launch.rank import _error_record, _set_pdeathsig, _to_cpu
+from labkit.launch.rank import _error_record, _to_cpu
 
 END_MARK = "\x1flabkit-end "  # + call id + newline, on stdout and stderr after every call
 _FRESH_SEED = torch.initial_seed()  # what torch's default generator starts from in a new process
@@ -147,8 +148,6 @@ def _serve(conn: Connection, rank: int, world_size: int) -> None:
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the caller is gone
-        if msg["kind"] == "close":
-            return
         reply = _serve_one(msg, rank, ns, guard)
         reply["call"] = msg["call"]
         for stream in (sys.stdout, sys.stderr):
@@ -165,8 +164,8 @@ def _serve(conn: Connection, rank: int, world_size: int) -> None:
 
 
 def rank_main(fd: int, rank: int, world_size: int, backend: str, store: str, run_dir: str) -> None:
-    """Entry point of a world rank, started by ``World`` as ``python -c``."""
-    _set_pdeathsig()
+    """Entry point of a world rank, started by ``World`` as ``python -c`` in the world's
+    process group (no death signal: it would follow the thread that created the World)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]

@@ -2,10 +2,15 @@
 
 Every technique receives its ``group`` explicitly from a :class:`Layout`; nothing reads the
 environment or a global. See ``layout.py``; the order in which techniques compose is written
-once, in ``compose.py``.
+once, in ``compose.py``: ``from labkit.parallel.compose import compose``.
+
+Importing this package loads ``layout.py`` only. Techniques below it (collectives, DDP,
+tensor parallelism, the pipeline) import ``labkit.parallel.layout``, which runs this file
+first, while ``compose.py`` and ``threed.py`` import those techniques: re-exporting them here
+would close an import circle (``parallel -> compose -> tensor_parallel -> parallel``), so
+the composition modules are imported by their own path.
 """
 
-from labkit.parallel.compose import compose
 from labkit.parallel.layout import (
     Layout,
     ParallelDegrees,
@@ -16,7 +21,6 @@ from labkit.parallel.layout import (
 )
 
 __all__ = [
-    "compose",
     "Layout",
     "ParallelDegrees",
     "build_layout",

@@ -15,7 +15,9 @@ Why this order:
 4. **Data parallelism / ZeRO last**: it synchronises or shards whatever parameters this rank
    finally holds (its tensor-parallel shard of its pipeline stage), over ``dp_group``.
 
-Every step receives its process group from the :class:`~labkit.parallel.Layout`.
+Every step receives its process group from the :class:`~labkit.parallel.Layout`. This module
+sits above the techniques it composes and imports them at the top; ``labkit.parallel``'s
+``__init__`` does not import it (techniques import ``labkit.parallel.layout``).
 :mod:`labkit.parallel.threed` fills the two hooks for dp x tp x pp: ``pipeline_hook`` keeps
 this rank's stage(s) of the tensor-parallel GPT, ``data_parallel_hook`` gives them an AdamW
 (DDP or ZeRO-1) that reduces gradients over ``dp_group`` only.
@@ -28,7 +30,9 @@ from typing import Any
 
 from torch import nn
 
+from labkit.activation_checkpoint import apply_activation_checkpointing
 from labkit.parallel.layout import Layout
+from labkit.tensor_parallel import tensor_parallel as make_tp
 
 __all__ = ["compose"]
 
@@ -51,12 +55,8 @@ def compose(
     ``pipeline`` and ``data_parallel``: callables ``(model, group) -> model``.
     """
     if tensor_parallel is not None:
-        from labkit.tensor_parallel import tensor_parallel as make_tp
-
         model = make_tp(model, layout.tp_group, tensor_parallel)  # type: ignore[arg-type]
     if checkpoint is not None:
-        from labkit.activation_checkpoint import apply_activation_checkpointing
-
         gpt: Any = getattr(model, "gpt", model)  # the TP wrapper keeps the GPT as .gpt
         apply_activation_checkpointing(gpt.blocks, checkpoint)
     if pipeline is not None:

@@ -68,8 +68,9 @@ class ParallelDegrees:
     def check_model(
         self, *, hidden: int, heads: int, vocab: int | None = None, layers: int | None = None
     ) -> None:
-        """Raise unless the model's shape splits evenly: hidden and heads (and the vocabulary,
-        for a vocab-parallel embedding) by tp, layers by pp. Names both numbers."""
+        """Raise unless the model's shape splits: hidden and heads (and the vocabulary, for a
+        vocab-parallel embedding) evenly by tp, and at least a layer per pipeline stage (a
+        count pp does not divide is cut unevenly, ``labkit.pipeline.cut``). Names both."""
         if hidden % self.tp:
             raise ValueError(f"hidden size {hidden} is not divisible by tp={self.tp}")
         if heads % self.tp:
@@ -83,14 +84,25 @@ class ParallelDegrees:
             raise ValueError(f"{layers} layers cannot fill pp={self.pp} pipeline stages")
 
 
-def rank_grid(degrees: ParallelDegrees) -> dict[str, list[list[int]]]:
+def rank_grid(degrees: ParallelDegrees, order: str = "tp-dp-pp") -> dict[str, list[list[int]]]:
     """The global ranks of every tp, dp and pp group, computed without processes.
 
     ``{"tp": [[0, 1], [2, 3], ...], "dp": [...], "pp": [...]}``: each inner list is one group,
-    its ranks in group-rank order.
+    its ranks in group-rank order. ``order`` names the axes innermost first: Megatron's
+    ``"tp-dp-pp"`` (the default, what :func:`build_layout` builds) numbers ranks
+    ``pp_idx * (dp tp) + dp_idx * tp + tp_idx``; another order, e.g. ``"dp-tp-pp"``
+    (``pp_idx * (tp dp) + tp_idx * dp + dp_idx``), is a placement the planner can price.
     """
-    shape = (degrees.pp, degrees.dp, degrees.tp)
-    grid = torch.arange(degrees.world_size).reshape(shape)  # (pp, dp, tp) -> global rank
+    axes = order.split("-")
+    if sorted(axes) != sorted(MESH_DIMS):
+        raise ValueError(
+            f"rank order {order!r} must name each of {MESH_DIMS} once, innermost first"
+        )
+    size = {"pp": degrees.pp, "dp": degrees.dp, "tp": degrees.tp}
+    outer_first = axes[::-1]
+    grid = torch.arange(degrees.world_size).reshape([size[a] for a in outer_first])
+    grid = grid.permute([outer_first.index(a) for a in MESH_DIMS])  # -> (pp, dp, tp)
+    shape = tuple(grid.shape)
     groups: dict[str, list[list[int]]] = {}
     for axis, name in enumerate(MESH_DIMS):
         moved = grid.movedim(axis, -1).reshape(-1, shape[axis])  # one row per group along `name`

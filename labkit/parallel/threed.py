@@ -58,6 +58,9 @@ class ThreeDConfig:
     virtual: int = 1
     zero: str = "ddp"
     checkpoint: Any = None  # an activation-checkpointing policy for compose ("full", ...)
+    # blocks per pipeline stage (per virtual stage when interleaved: pp x virtual counts);
+    # None: the even cut, or labkit.pipeline.cut's default spread when pp x v does not divide
+    stage_layers: tuple[int, ...] | None = None
 
     @property
     def global_batch(self) -> int:
@@ -69,7 +72,9 @@ def check_threed(model: GPTConfig, cfg: ThreeDConfig, world_size: int) -> None:
     d = cfg.degrees
     d.check_world_size(world_size)
     d.check_model(hidden=model.n_embd, heads=model.n_head, vocab=model.vocab_size)
-    check_pipeline(model.n_layer, d.pp, cfg.micro_batches, cfg.schedule, cfg.virtual)
+    check_pipeline(
+        model.n_layer, d.pp, cfg.micro_batches, cfg.schedule, cfg.virtual, cfg.stage_layers
+    )
     if cfg.zero not in ("ddp", "zero1"):
         raise ValueError(f"zero={cfg.zero!r}: 3D composes data parallelism as 'ddp' or 'zero1'")
     if model.dropout:
@@ -82,13 +87,15 @@ class _TPStage(StageModule):
     tensor-parallel GPT shares its Parameter with ``wte``; on a rank holding only the last
     stage that Parameter is this stage's own copy of the tied weight."""
 
-    def __init__(self, gpt: Any, stage: int, num_stages: int) -> None:  # noqa: D107
+    def __init__(  # noqa: D107
+        self, gpt: Any, stage: int, num_stages: int, layers_per_stage: Any = None
+    ) -> None:
         nn.Module.__init__(self)
         self.stage, self.is_first, self.is_last = stage, stage == 0, stage == num_stages - 1
         self.tied = gpt.cfg.tie_weights
         if self.is_first:
             self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
-        layers = stage_layers(gpt.cfg.n_layer, num_stages)[stage]
+        layers = stage_layers(gpt.cfg.n_layer, num_stages, layers_per_stage)[stage]
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in layers})
         if self.is_last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
@@ -114,11 +121,15 @@ class PipelineStages(nn.Module):
         self.chunks = nn.ModuleList(chunks)
 
 
-def pipeline_hook(model: Any, pp_group: Any, *, virtual: int = 1) -> PipelineStages:
-    """Cut this rank's stages (Megatron's interleaving: chunk c is stage c p + rank)."""
+def pipeline_hook(
+    model: Any, pp_group: Any, *, virtual: int = 1, stage_layers: Any = None
+) -> PipelineStages:
+    """Cut this rank's stages (Megatron's interleaving: chunk c is stage c p + rank);
+    ``stage_layers``: blocks per virtual stage (None: even, or the default spread)."""
     gpt = getattr(model, "gpt", model)  # the tensor-parallel wrapper keeps the GPT as .gpt
     rank, p = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    return PipelineStages([_TPStage(gpt, c * p + rank, p * virtual) for c in range(virtual)])
+    num = p * virtual
+    return PipelineStages([_TPStage(gpt, c * p + rank, num, stage_layers) for c in range(virtual)])
 
 
 def data_parallel_hook(model: nn.Module, dp_group: Any, *, zero: str, adam: AdamConfig) -> Any:
@@ -144,7 +155,7 @@ class ThreeD:
             layout,
             tensor_parallel=TPConfig(),
             checkpoint=cfg.checkpoint,
-            pipeline=partial(pipeline_hook, virtual=cfg.virtual),
+            pipeline=partial(pipeline_hook, virtual=cfg.virtual, stage_layers=cfg.stage_layers),
             data_parallel=partial(data_parallel_hook, zero=cfg.zero, adam=adam),
         ))  # fmt: skip
         self.chunks: list[Any] = [*self.stages.chunks]  # this rank's _TPStage chunks

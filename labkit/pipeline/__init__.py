@@ -1,8 +1,10 @@
 """Pipeline parallelism: schedules as data, a validator, a simulator, stages and an executor.
 
 Read in this order: ``actions`` (the record), ``schedules`` (GPipe, 1F1B, interleaved 1F1B,
-ZB-H1), ``validator``, ``simulator``, ``stages`` (cut a GPT), ``weight_grad`` (the B/W
-split), ``executor`` (run on ranks), ``equivalence`` (the proof harness).
+ZB-H1), ``replay`` (a schedule's rules in time), ``validator``, ``simulator``, ``cut`` (how
+many blocks each stage holds, even or uneven), ``stages`` (cut a GPT), ``weight_grad`` (the
+B/W split), ``executor`` (run on ranks), ``equivalence`` (the proof harness). Imports run one
+way: simulator -> validator -> replay.
 """
 
 from labkit.pipeline.actions import Action, Schedule

@@ -23,7 +23,16 @@ from labkit.pipeline.stages import build_stages
 from labkit.reference import grad_snapshot, snapshot
 from labkit.reference import train_reference as _reference_loop
 
-__all__ = ["PipeCase", "micro_batches", "train_pipeline", "train_reference"]
+__all__ = [
+    "PipeCase",
+    "case_for",
+    "check_cases",
+    "micro_batches",
+    "run_cases",
+    "spec_case",
+    "train_pipeline",
+    "train_reference",
+]
 
 FROZEN = ("wpe.weight",)
 
@@ -39,6 +48,7 @@ class PipeCase:
     steps: int = 2
     lr: float = 0.1
     seed: int = 0
+    stage_layers: tuple[int, ...] | None = None  # blocks per virtual stage (None: the default)
 
 
 def micro_batches(case: PipeCase, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -75,7 +85,7 @@ def train_pipeline(
     parameters after every step by full-model name, the last step's measured timeline and
     peak stash. ``emb``: the embedding group (:func:`embedding_group`), made here if "new"."""
     rank = dist.get_rank(group)
-    chunks = build_stages(_model(case), rank, sched.p, sched.v)
+    chunks = build_stages(_model(case), rank, sched.p, sched.v, case.stage_layers)
     named = [(n, q) for c in chunks for n, q in c.named_parameters()]
     opt = torch.optim.SGD([q for _, q in named if q.requires_grad], lr=case.lr, momentum=0.9)
     own = emb == "new"
@@ -105,28 +115,44 @@ def train_pipeline(
 
 
 def case_for(p: int, m: int, **changes: Any) -> PipeCase:
-    """The test model for p pipeline ranks: 2p layers, so interleaving with v = 2 divides."""
+    """The test model for p pipeline ranks: 2p layers, so interleaving with v = 2 divides;
+    ``n_layer=`` another block count (an uneven cut when p x v does not divide it)."""
     base = PipeCase()
-    return PipeCase(cfg=base.cfg.with_(n_layer=2 * p), m=m, **changes)
+    n_layer = changes.pop("n_layer", 2 * p)
+    return PipeCase(cfg=base.cfg.with_(n_layer=n_layer), m=m, **changes)
 
 
-def run_cases(cases: list[tuple[str, int, int]], p: int) -> list[dict[str, Any]]:
-    """On each of p ranks: every (schedule, m, v) of ``cases`` in turn (one launch for all)."""
+Spec = tuple[Any, ...]  # (schedule, m, v) or (schedule, m, v, n_layer, stage_layers or None)
+
+
+def spec_case(spec: Spec, p: int) -> PipeCase:
+    """The :class:`PipeCase` of one run spec (see :data:`Spec`)."""
+    _, m, _, *cut = spec
+    if not cut:
+        return case_for(p, m)
+    n_layer, layers = cut
+    return case_for(p, m, n_layer=n_layer, stage_layers=None if layers is None else tuple(layers))
+
+
+def run_cases(cases: list[Spec], p: int) -> list[dict[str, Any]]:
+    """On each of p ranks: every (schedule, m, v[, n_layer, stage_layers]) of ``cases`` in
+    turn (one launch for all)."""
     from labkit.pipeline.schedules import make_schedule
 
     emb = embedding_group(p, 1)  # every schedule here puts the last stage on rank p - 1
     out = [
-        train_pipeline(make_schedule(name, p, m, v), case_for(p, m), emb=emb)
-        for name, m, v in cases
+        train_pipeline(make_schedule(spec[0], p, spec[1], spec[2]), spec_case(spec, p), emb=emb)
+        for spec in cases
     ]
     if emb is not None:
         dist.destroy_process_group(emb)
     return out
 
 
-def check_cases(cases: list[tuple[str, int, int]], p: int) -> None:
+def check_cases(cases: list[Spec], p: int) -> None:
     """Every case's model cut and schedule, checked before any process starts."""
     from labkit.pipeline.stages import check_pipeline
 
-    for name, m, v in cases:
-        check_pipeline(case_for(p, m).cfg.n_layer, p, m, name, v)
+    for spec in cases:
+        case = spec_case(spec, p)
+        check_pipeline(case.cfg.n_layer, p, spec[1], spec[0], spec[2], case.stage_layers)

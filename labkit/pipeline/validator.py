@@ -9,13 +9,13 @@ Checks, in this order (the first failure is raised as :class:`ScheduleError`):
 2. Matching: the k-th send from rank a to rank b pairs with the k-th receive on b from a; the
    pair must carry the same kind of tensor for the same micro-batch between neighbouring
    stages (a mismatch would silently feed the wrong activation, or hang on a size mismatch).
-3. Deadlock freedom: a unit-cost replay under NCCL's semantics (``simulator.replay``) ends.
+3. Deadlock freedom: a unit-cost replay under NCCL's semantics (``replay.replay``) ends.
 """
 
 from __future__ import annotations
 
 from labkit.pipeline.actions import Action, Schedule
-from labkit.pipeline.simulator import Costs, DeadlockError, pair_ops, replay
+from labkit.pipeline.replay import Costs, DeadlockError, pair_ops, replay
 
 __all__ = ["ScheduleError", "validate"]
 

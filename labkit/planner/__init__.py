@@ -5,7 +5,10 @@ Read in this order:
 * ``cluster.py``  what a cluster is (GPUs per node, memory, peak FLOP/s, two link classes).
 * ``flops.py``    Megatron's FLOPs-per-iteration formula and Narayanan et al.'s Table 1 as data.
 * ``links.py``    which link class (fast inside a node, slow between) each group rides.
+* ``stages.py``   the pipeline cut: blocks and FLOPs of every stage and rank (even or uneven).
+* ``bubble.py``   the pipeline bubble: the closed form, or the simulator's replay.
 * ``plan.py``     enumerate layouts, predict each one's memory per GPU and step time, rank them.
+* ``table1.py``   the planner against Megatron's Table 1, row by row.
 
 No processes anywhere: every number is arithmetic a reader can redo by hand.
 """
@@ -21,11 +24,11 @@ from labkit.planner.flops import (
 from labkit.planner.plan import (
     Candidate,
     Prediction,
-    compare_table1,
     enumerate_candidates,
     plan,
     predict,
 )
+from labkit.planner.table1 import compare_table1
 
 __all__ = [
     "CLUSTERS",

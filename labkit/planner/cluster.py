@@ -4,7 +4,8 @@ Inside a node GPUs talk over NVLink/NVSwitch; between nodes over InfiniBand (or 
 Each link class is an alpha-beta pair (Hockney: a message of n bytes takes alpha + n / bandwidth).
 Bandwidths are *per GPU*, one direction, as a ring collective sees them (NCCL's busbw): a DGX
 A100 has 8 HDR InfiniBand adapters of 200 Gb/s, one per GPU, so 25 GB/s per GPU between nodes,
-and NVLink 3 at 300 GB/s per direction per GPU inside the node.
+and NVLink 3 at 300 GB/s per direction per GPU inside the node. Which link a group rides
+follows from where its ranks sit (``links.py``: global rank r is on node r // gpus_per_node).
 """
 
 from __future__ import annotations
@@ -58,13 +59,6 @@ class Cluster:
         from dataclasses import replace
 
         return replace(self, nodes=nodes)
-
-    def link(self, group_span: int) -> tuple[float, float]:
-        """(alpha, bandwidth) for a group whose ranks lie ``group_span`` apart or less in global
-        rank order: inside one node if the span fits in it, else the slow link decides."""
-        if group_span <= self.gpus_per_node:
-            return self.intra_latency, self.intra_bandwidth
-        return self.inter_latency, self.inter_bandwidth
 
 
 CLUSTERS: dict[str, Cluster] = {

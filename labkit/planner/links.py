@@ -1,67 +1,99 @@
-"""Which link class each process group of a layout crosses, from the rank order alone.
+"""Which link class each process group of a layout crosses, read off the real rank grid.
 
-A layout's groups are strided slices of the global ranks. With the axes ordered innermost
-first (Megatron's ``"tp-dp-pp"``: tp ranks adjacent, then dp, pp outermost; Narayanan et al.
-2021, section 3.3), the axis at position ``i`` has stride ``prod(degrees of the axes inside
-it)``, and a group of ``n`` ranks at stride ``s`` in nodes of ``g`` GPUs holds
+Every group's ranks come from :func:`labkit.parallel.layout.rank_grid` for the rank
+``order`` (innermost axis first: Megatron's ``"tp-dp-pp"`` puts tp ranks adjacent, then dp,
+pp outermost; Narayanan et al. 2021, section 3.3), and global rank ``r`` sits on node
+``r // gpus_per_node``. So any divisor degree is placed as it really runs: at tp=4 on nodes
+of 6 GPUs, the tp group ``[4, 5, 6, 7]`` straddles nodes 0 and 1; at tp=6 on nodes of 8,
+``[6, ..., 11]`` does. No power-of-two or alignment assumption.
 
-    ranks per node   min(n, g / s)  when s < g, else 1      (g, s powers of two, aligned)
-    nodes            ceil(n / ranks per node)
+An axis's collectives run in lock-step over all its groups (every tp group all-reduces at
+the same point of every layer), so the worst group paces the step:
 
-A group on one node talks over the fast link (NVLink); one spanning nodes is paced by the
-slow link. A pipeline talks stage to neighbour stage, but once one boundary crosses nodes
-that boundary paces every micro-batch, so a pipeline spanning nodes is charged the slow
-link too. The other order, ``"dp-tp-pp"``, puts dp innermost and is the *wrong*
-placement the mixed-interconnect scenario measures: tp all-reduces then cross the slow link.
+* ``slow``: some group of the axis spans more than one node, so the slow (inter-node) link
+  paces its ring; a pipeline talks stage to next stage, and a pipeline group that spans nodes
+  has a boundary that crosses, which paces every micro-batch;
+* ``nodes``: the most nodes one group spans; ``ranks_per_node``: the fewest of one group's
+  ranks sharing a node (the two-level, hierarchical all-reduce sends ``1 / ranks_per_node`` of
+  the bytes across nodes);
+* ``balanced``: every group holds the same number of ranks on each node it touches, which the
+  hierarchical all-reduce needs (``ranks_per_node x nodes`` = the group); a ragged group (tp=4
+  on 3 nodes of 6 GPUs, dp groups like ``[0, 4, 8]`` with 2 ranks on node 0 and 1 on node 1)
+  is priced as a flat ring on the slow link.
 
-Pure arithmetic: no processes.
+The other order, ``"dp-tp-pp"``, puts dp innermost and is the *wrong* placement the
+mixed-interconnect scenario measures: tp all-reduces then cross the slow link.
+
+Pure arithmetic: no processes (``rank_grid`` is a tensor reshape).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+from labkit.parallel.layout import ParallelDegrees, rank_grid
 from labkit.planner.cluster import Cluster
 
-__all__ = ["ORDERS", "GroupLink", "group_links"]
+__all__ = ["ORDERS", "GroupLink", "group_links", "placement"]
 
 ORDERS = ("tp-dp-pp", "dp-tp-pp")  # innermost axis first
 
 
 @dataclass(frozen=True)
 class GroupLink:
-    """One group's placement: its link (alpha seconds, bandwidth bytes/s per GPU), whether
-    that is the slow (inter-node) link, how many of its ranks share a node and how many
-    nodes it spans."""
+    """One axis's placement: its link (alpha seconds, bandwidth bytes/s per GPU), whether
+    that is the slow (inter-node) link, the fewest of a group's ranks sharing a node, the
+    most nodes a group spans, and whether every group splits evenly over its nodes."""
 
     alpha: float
     bandwidth: float
     slow: bool
     ranks_per_node: int
     nodes: int
+    balanced: bool = True
 
     @property
     def crosses_nodes(self) -> bool:
         return self.nodes > 1
 
 
+@lru_cache(maxsize=4096)
+def placement(
+    gpus_per_node: int, dp: int, tp: int, pp: int, order: str = "tp-dp-pp"
+) -> dict[str, tuple[int, int, bool]]:
+    """``{axis: (ranks_per_node, nodes, balanced)}`` of the rank grid's groups (module
+    docstring), for nodes of ``gpus_per_node`` GPUs."""
+    if order not in ORDERS:
+        raise ValueError(f"rank order {order!r} is not one of {ORDERS}")
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must be >= 1")
+    out = {}
+    for axis, groups in rank_grid(ParallelDegrees(dp=dp, tp=tp, pp=pp), order).items():
+        fewest, most, balanced = len(groups[0]), 1, True
+        for group in groups:
+            counts: dict[int, int] = {}
+            for r in group:
+                counts[r // gpus_per_node] = counts.get(r // gpus_per_node, 0) + 1
+            fewest = min(fewest, *counts.values())
+            most = max(most, len(counts))
+            balanced = balanced and len(set(counts.values())) == 1
+        out[axis] = (fewest, most, balanced)
+    return out
+
+
 def group_links(
     cluster: Cluster, dp: int, tp: int, pp: int, order: str = "tp-dp-pp"
 ) -> dict[str, GroupLink]:
-    """``{"tp": GroupLink, "dp": ..., "pp": ...}`` for ranks ordered by ``order``."""
-    if order not in ORDERS:
-        raise ValueError(f"rank order {order!r} is not one of {ORDERS}")
-    g = cluster.gpus_per_node
-    sizes = {"dp": dp, "tp": tp, "pp": pp}
+    """``{"tp": GroupLink, "dp": ..., "pp": ...}`` for ranks ordered by ``order`` on
+    ``cluster``'s nodes: the slow link for an axis whose groups span nodes."""
     fast = (cluster.intra_latency, cluster.intra_bandwidth)
     slow = (cluster.inter_latency, cluster.inter_bandwidth)
-    out, stride = {}, 1
-    for axis in order.split("-"):
-        n = sizes[axis]
-        per_node = min(n, g // stride) if stride < g else 1
-        nodes = -(-n // per_node)
-        crosses = nodes > 1  # for pp: some stage boundary crosses, and paces the pipeline
+    out = {}
+    for axis, (per_node, nodes, balanced) in placement(
+        cluster.gpus_per_node, dp, tp, pp, order
+    ).items():
+        crosses = nodes > 1
         alpha, bw = slow if crosses else fast
-        out[axis] = GroupLink(alpha, bw, crosses, per_node, nodes)
-        stride *= n
+        out[axis] = GroupLink(alpha, bw, crosses, per_node, nodes, balanced)
     return out

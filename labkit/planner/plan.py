@@ -1,7 +1,10 @@
 """Enumerate (dp, tp, pp, micro-batch, ZeRO, recompute, virtual stages); predict memory, time, MFU.
 
 The prediction for one candidate, per GPU of the *first* pipeline stage (the fullest one: it
-holds the embedding and stashes the most micro-batches):
+holds the embedding and stashes the most micro-batches). The cut: ``l/p`` layers a stage when
+p (times v) divides l, else the default spread or the candidate's ``stage_layers``
+(``stages.py``); with an uneven cut, ``l/p`` below reads "the most blocks one rank holds"
+(memory and communication charged on it: an upper bound), and compute is the slowest rank's:
 
 memory
     model states   ``labkit.memory.model.model_states`` of the stage's parameter shard
@@ -16,7 +19,9 @@ time (one iteration)
                    by Megatron's per-layer FLOPs (flops.py; the recompute's extra forward when
                    on) plus, on the last stage, the logits' 6 b s h V; over t x peak x efficiency.
                    Deep pipelines of small models pay for that imbalance;
-    bubble         (p-1) / v more micro-batch slots (1F1B: (p-1)/(m+p-1) of the total);
+    bubble         (p-1) / v more micro-batch slots (1F1B: (p-1)/(m+p-1) of the total), each
+                   at the slowest rank's time; "simulated": the schedule replayed with every
+                   stage at its own time (the head's stage and an uneven cut differ);
     tp comm        per layer and micro-batch 2 all-reduces forward + 2 backward (+2 recomputed)
                    of b s h x 2 bytes, ring over t ranks (on the fast link when t fits a node);
     pp comm        per micro-batch and boundary, b s h x 2 bytes forward and backward, split t
@@ -40,9 +45,11 @@ from labkit.collectives.cost_model import hierarchical_all_reduce_time, ring_all
 from labkit.memory.model import Precision, activation_bytes_per_layer, model_states
 from labkit.models.gpt import GPTConfig
 from labkit.parallel.layout import ParallelDegrees
+from labkit.planner.bubble import charged_bubble
 from labkit.planner.cluster import Cluster
 from labkit.planner.flops import megatron_flops_per_iteration
 from labkit.planner.links import group_links
+from labkit.planner.stages import stage_cut
 
 __all__ = ["MEGATRON_MIXED", "Candidate", "Prediction", "enumerate_candidates", "plan", "predict"]
 
@@ -66,6 +73,7 @@ class Candidate:
     recompute: str = "full"
     virtual: int = 1
     sp: bool = False
+    stage_layers: tuple[int, ...] | None = None  # blocks per virtual stage; None: even/spread
 
     @property
     def degrees(self) -> ParallelDegrees:
@@ -92,6 +100,8 @@ class Prediction:
 
     def row(self) -> dict[str, object]:
         c = asdict(self.candidate)
+        if c["stage_layers"] is None:  # the default cut: no column
+            del c["stage_layers"]
         c.update(
             GB=round(self.memory_total / 1e9, 1),
             fits=self.fits,
@@ -101,9 +111,12 @@ class Prediction:
         return c
 
 
-def _stage_params(cfg: GPTConfig, tp: int, pp: int) -> float:
+def _stage_params(cfg: GPTConfig, tp: int, pp: int, blocks: float | None = None) -> float:
+    """Parameters of the first stage's tp shard: ``blocks`` layers (default ``l/p``) and the
+    embedding."""
     h = cfg.n_embd
-    return (cfg.n_layer / pp * (12 * h * h + 13 * h) + cfg.vocab_size * h) / tp + cfg.block_size * h
+    layers = cfg.n_layer / pp if blocks is None else blocks
+    return (layers * (12 * h * h + 13 * h) + cfg.vocab_size * h) / tp + cfg.block_size * h
 
 
 def predict(
@@ -127,7 +140,8 @@ def predict(
     if dp_collective not in ("ring", "hierarchical"):
         raise ValueError(f"dp_collective={dp_collective!r}: expected 'ring' or 'hierarchical'")
     cand.degrees.check_world_size(cluster.world_size)
-    cand.degrees.check_model(hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer)
+    cand.degrees.check_model(hidden=cfg.n_embd, heads=cfg.n_head)
+    cut = stage_cut(cfg.n_layer, cand.pp, cand.virtual, cand.stage_layers)  # names a bad cut
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
     if global_batch % (cand.dp * cand.micro_batch):
@@ -140,11 +154,12 @@ def predict(
     m = global_batch // (d * b)
     n = cluster.world_size
 
-    psi = _stage_params(cfg, t, p)
+    blocks = cut.most_blocks  # L / p for an even cut
+    psi = _stage_params(cfg, t, p, blocks)
     states = model_states(ZERO_STAGES[cand.zero], psi, d, precision)
     per_layer = activation_bytes_per_layer(s, b, h, a, tp=t, sp=cand.sp, recompute=cand.recompute)
     in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
-    acts = in_flight * (L / p) * per_layer
+    acts = in_flight * blocks * per_layer
     if cand.recompute != "none":  # one layer's activations are rebuilt in full during backward
         acts += activation_bytes_per_layer(s, b, h, a, tp=t, sp=cand.sp)
     memory = {
@@ -162,19 +177,20 @@ def predict(
     layer -= 6 * b * s * h * V  # the formula's logit term, counted once below
     if cand.recompute == "selective":
         layer += 4 * b * s * s * h  # the attention core's forward, once more
-    stage_flops = (L / p) * layer + 6 * b * s * h * V
-    per_micro = stage_flops / (t * cluster.peak_flops * efficiency)
+    head = 6 * b * s * h * V
+    per_micro = max(cut.rank_flops(layer, head)) / (t * cluster.peak_flops * efficiency)
     compute = m * per_micro
     act_bytes = 2 * b * s * h  # one micro-batch's 16-bit hidden states
     links = group_links(cluster, d, t, p, order)
     tpl, ppl, dpl = links["tp"], links["pp"], links["dp"]
     per_ar = ring_all_reduce_time(act_bytes, t, tpl.alpha, 1 / tpl.bandwidth) if t > 1 else 0.0
     ars = 4 + (2 if cand.recompute == "full" else 0)
-    tp_comm = (L / p) * m * ars * per_ar
+    tp_comm = blocks * m * ars * per_ar
     pp_comm = 2 * m * v * (ppl.alpha + act_bytes / t / ppl.bandwidth) if p > 1 else 0.0
     dp_factor = 1.5 if cand.zero == 3 else 1.0
     grad_bytes = 2 * psi  # gradients travel in 16 bits; the fp32 buffer is local
-    if dp_collective == "hierarchical" and dpl.crosses_nodes and dpl.ranks_per_node > 1:
+    two_level = dpl.crosses_nodes and dpl.ranks_per_node > 1 and dpl.balanced
+    if dp_collective == "hierarchical" and two_level:
         # each of the k ranks of a node carries 1/k of the bytes over its own share of the
         # node's uplink (nics_per_node = k: the per-GPU bandwidth is that share)
         dp_time = hierarchical_all_reduce_time(
@@ -188,7 +204,7 @@ def predict(
     dp_comm = dp_factor * dp_time if d > 1 else 0.0
     time = {
         "compute": compute,
-        "bubble": _bubble(bubble, p, m, v, per_micro),
+        "bubble": charged_bubble(bubble, p, m, v, per_micro, cut.stage_flops(layer, head)),
         "tp_comm": tp_comm,
         "pp_comm": pp_comm,
         "dp_comm": dp_comm,
@@ -205,16 +221,6 @@ def predict(
     )
 
 
-def _bubble(kind: str, p: int, m: int, v: int, per_micro: float) -> float:
-    from labkit.planner.bubble import bubble_formula, simulated_bubble
-
-    if kind == "formula":
-        return bubble_formula(p, v, per_micro)
-    if kind == "simulated":
-        return simulated_bubble(p, m, v, per_micro)
-    raise ValueError(f"bubble={kind!r}: expected 'formula' or 'simulated'")
-
-
 def enumerate_candidates(
     cfg: GPTConfig,
     cluster: Cluster,
@@ -225,19 +231,25 @@ def enumerate_candidates(
     recompute: tuple[str, ...] = ("full",),
     virtual: tuple[int, ...] = (1,),
     sp: tuple[bool, ...] = (False,),
+    uneven: bool = False,
 ) -> list[Candidate]:
     """Every layout that splits the model evenly: t divides the heads (and h), p divides the
     layers (times v), dp = GPUs / (t p), and dp x micro-batch divides the global batch (and,
-    interleaved, p divides the micro-batch count m)."""
+    interleaved, p divides the micro-batch count m). ``uneven``: also every p (times v) up to
+    the layer count that does not divide it, cut by the default spread (``stages.py``)."""
     n = cluster.world_size
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     out = []
+
+    def cuts(stages: int) -> bool:  # the layers can be cut into this many stages
+        return stages <= cfg.n_layer and (uneven or cfg.n_layer % stages == 0)
+
     for t, p in itertools.product(divisors, repeat=2):
-        if n % (t * p) or cfg.n_head % t or cfg.n_embd % t or cfg.n_layer % p:
+        if n % (t * p) or cfg.n_head % t or cfg.n_embd % t or not cuts(p):
             continue
         d = n // (t * p)
         for b, z, r, v, q in itertools.product(micro_batches, zero_stages, recompute, virtual, sp):
-            if global_batch % (d * b) or (v > 1 and (p == 1 or cfg.n_layer % (p * v))):
+            if global_batch % (d * b) or (v > 1 and (p == 1 or not cuts(p * v))):
                 continue
             if v > 1 and (global_batch // (d * b)) % p:  # interleaving needs m % p == 0
                 continue
@@ -274,48 +286,3 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
     return sorted(
         preds, key=lambda r: (not r.fits, r.step_seconds, r.candidate.tp * r.candidate.pp)
     )
-
-
-def compare_table1(efficiency: float = 0.5) -> list[dict[str, object]]:
-    """Row by row: the paper's (t, p) and achieved TFLOP/s per GPU against the planner's first
-    choice and its predicted TFLOP/s (the paper's FLOPs, recompute included, over the predicted
-    iteration time). Searches what the paper searched: t, p and micro-batch, full recompute,
-    no ZeRO, no interleaving."""
-    from labkit.planner.cluster import CLUSTERS
-    from labkit.planner.flops import MEGATRON_TABLE1, TABLE1_SEQ, TABLE1_VOCAB
-
-    rows = []
-    for row in MEGATRON_TABLE1:
-        cfg = GPTConfig(
-            vocab_size=TABLE1_VOCAB,
-            block_size=TABLE1_SEQ,
-            n_layer=row.layers,
-            n_head=row.heads,
-            n_embd=row.hidden,
-        )
-        preds = [
-            r
-            for r in plan(
-                cfg,
-                CLUSTERS["dgx-a100-80gb"].with_nodes(row.gpus // 8),
-                row.batch,
-                efficiency=efficiency,
-            )
-            if r.fits
-        ]
-        order = list(dict.fromkeys((r.candidate.tp, r.candidate.pp) for r in preds))
-        best = preds[0]
-        flops = megatron_flops_per_iteration(
-            row.batch, TABLE1_SEQ, row.layers, row.hidden, TABLE1_VOCAB
-        )
-        rows.append(
-            {
-                "params (B)": row.params_billion,
-                "paper (t, p)": (row.tp, row.pp),
-                "planner (t, p)": (best.candidate.tp, best.candidate.pp),
-                "paper's rank in planner": order.index((row.tp, row.pp)) + 1,
-                "paper TFLOP/s": row.tflops_per_gpu,
-                "planner TFLOP/s": round(flops / (best.step_seconds * row.gpus) / 1e12, 1),
-            }
-        )
-    return rows

@@ -19,8 +19,8 @@ back gives, for each step::
     other      step time no region claims: logging, checkpoint saves, Python overhead
 
 Besides seconds, the same events give counts per step that no timer shows: how many
-all-reduces ran (tiny buckets -> hundreds) and how many host syncs (``.item()`` ->
-``aten::_local_scalar_dense``).
+all-reduces ran (tiny buckets -> hundreds), torch's and labkit's own (``Comm(impl="ring")``)
+alike, and how many host syncs (``.item()`` -> ``aten::_local_scalar_dense``).
 
 On CUDA the host returns from a kernel launch before the kernel ends, so a region's CPU
 range is not its device time. ``region(..., sync=torch.cuda.synchronize)`` makes the two
@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, record_function
 
 __all__ = [
     "CATEGORIES",
@@ -59,9 +59,14 @@ __all__ = [
 PREFIX = "labkit::"
 CATEGORIES = ("data", "h2d", "forward", "backward", "comm", "optimizer", "other")
 STEP = "step"
-# Operator names counted per step: (what, predicate on the event name).
+# Operator names counted per step: (what, predicate on the event name). All-reduces are
+# torch's (``gloo:``/``nccl:all_reduce``, one range per call) and labkit's own: those travel as
+# point-to-point messages, so each public collective opens one ``labkit:all_reduce`` range
+# (``labkit.collectives.common.profiled``, the outermost call of a thread only). Single colon:
+# ``labkit::`` names the regions of a step, never counted.
+ALL_REDUCES = ("gloo:all_reduce", "nccl:all_reduce", "labkit:all_reduce")
 COUNTED: dict[str, Callable[[str], bool]] = {
-    "all-reduces": lambda name: name in ("gloo:all_reduce", "nccl:all_reduce"),
+    "all-reduces": lambda name: name in ALL_REDUCES,
     "host syncs": lambda name: name == "aten::_local_scalar_dense",
 }
 
@@ -82,7 +87,14 @@ def region(name: str, sync: Callable[[], Any] | None = None) -> Iterator[None]:
 
 
 def step_profiler(device: torch.device | str = "cpu", **kwargs: Any) -> profile:
-    """A ``torch.profiler.profile`` recording the CPU, plus CUDA kernels and memory on a GPU."""
+    """A ``torch.profiler.profile`` recording the CPU, plus CUDA kernels and memory on a GPU.
+
+    It records *every* thread (``profile_all_threads``), threads started before it included: a
+    plain profile sees only the thread that entered it (and autograd's), so the all-reduces
+    that DDP's communication thread runs with labkit's collectives would go uncounted."""
+    # a torch older than the option (TypeError) records the profiling thread only
+    with suppress(TypeError):
+        kwargs.setdefault("experimental_config", _ExperimentalConfig(profile_all_threads=True))
     activities = [ProfilerActivity.CPU]
     if torch.device(device).type == "cuda":
         activities.append(ProfilerActivity.CUDA)

@@ -40,7 +40,7 @@ from torch import nn
 
 from labkit.collectives import Comm
 from labkit.models.gpt import GPT, GPTConfig
-from labkit.parallel import ParallelDegrees
+from labkit.parallel.layout import ParallelDegrees
 from labkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from labkit.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -223,13 +223,19 @@ class TensorParallelGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)
 
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the full vocabulary, never building the full logits."""
-        return self.loss_from_logits(self(idx), targets)
+    def loss(
+        self, idx: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """Mean cross-entropy over the full vocabulary, never building the full logits; the
+        targets equal to ``ignore_index`` are not counted (``F.cross_entropy``'s semantics)."""
+        return self.loss_from_logits(self(idx), targets, ignore_index)
 
-    def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_from_logits(
+        self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+    ) -> torch.Tensor:
         """The same, from this rank's (B, T, V/t) logits of a forward already run."""
-        return vocab_parallel_cross_entropy(logits, targets, self.comms["loss"])
+        comm = self.comms["loss"]
+        return vocab_parallel_cross_entropy(logits, targets, comm, ignore_index=ignore_index)
 
     def finish_grads(self) -> None:
         """Sum the partial gradients of sequence-parallel parameters over the group (one flat

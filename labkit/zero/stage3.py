@@ -4,13 +4,13 @@ Each rank keeps only its 1/N shard of every unit's parameters. A unit's full par
 exist only while a module that uses them runs::
 
     forward  pre-hook : all-gather the unit            (Psi over the whole forward)
-    forward  post-hook: free it
+    forward  post-hook: free it (the root module's unit, if any: at the end of backward)
     backward pre-hook : all-gather it again            (Psi over the whole backward)
     module's backward done: reduce-scatter into my grad shard, free it (Psi)
     step              : AdamW on my shard; nothing to gather (the next forward does it)
 
-Communication: 3Psi per step, 1.5x DDP's 2Psi. Memory: (4 + 4 + 8) Psi / N plus the units
-alive at one time (one, or two with prefetching).
+Communication: 3Psi per step (less the root's unit, gathered once), 1.5x DDP's 2Psi. Memory:
+(4 + 4 + 8) Psi / N plus the units alive at one time (one, or two with prefetching).
 
 Freeing really frees only if autograd does not keep the gathered parameters alive: ops like
 ``x @ W.t()`` save ``W`` for backward. A ``saved_tensors_hooks`` pair swaps any saved view of
@@ -45,6 +45,10 @@ gradients: a module that runs on every rank may leave some or all of its paramet
 a gradient on some ranks; its unit is still reduced when the module's backward ends, zeros
 from those ranks, and a parameter no rank used is skipped as AdamW skips it. A layer that
 one rank does not call at all mismatches the collectives here, while stages 1-2 allow it.
+The first forward and backward check it (:class:`labkit.zero.lockstep.LockstepCheck`: one
+small all-gather before each collective of the first step): a module one rank ran and
+another skipped raises the same ValueError on every rank, naming it, instead of a gloo
+abort or an NCCL hang.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from torch.utils._pytree import tree_flatten
 
 from labkit.zero.adam import AdamConfig
 from labkit.zero.backward import BackwardReducer
+from labkit.zero.lockstep import GATHER, REDUCE, LockstepCheck
 from labkit.zero.partition import Unit, param_views
 from labkit.zero.sharded import ShardedAdamW
 
@@ -83,6 +88,8 @@ class ZeRO3(ShardedAdamW):
     ) -> None:
         super().__init__(model, cfg, shard_optimizer=True, **kwargs)
         self.prefetch = prefetch
+        self._lockstep = LockstepCheck(model, self.units, self.group, self.device)
+        self._in_forward = False  # the saved-tensor hooks are pushed (see _begin_forward)
         self._freed = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self._pending: dict[Unit, Any] = {}  # unit -> (buffer, async all-gather handle)
         self._by_storage: dict[int, Unit] = {}  # id(gathered storage) -> unit
@@ -110,7 +117,7 @@ class ZeRO3(ShardedAdamW):
             mod.register_forward_pre_hook(self._pre_forward)
             mod.register_forward_hook(self._post_forward)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        model.register_forward_pre_hook(lambda m, a: self._saved_hooks.__enter__(), prepend=True)
+        model.register_forward_pre_hook(lambda m, a: self._begin_forward(), prepend=True)
         model.register_forward_hook(lambda m, a, o: self._end_forward())
 
     def _units_needed_by_module(self, model: nn.Module) -> dict[nn.Module, list[Unit]]:
@@ -134,14 +141,26 @@ class ZeRO3(ShardedAdamW):
         return needs
 
     # ----------------------------------------------------------------- gather / free
-    def _start_gather(self, u: Unit) -> None:
+    def _check(self, kind: int, u: Unit, mod: nn.Module) -> None:
+        """First step only: compare this collective with every rank's (see lockstep.py). On a
+        mismatch every rank raises; this rank's forward state is unwound first, so the
+        process stays usable (no collective was left unmatched)."""
+        try:
+            self._lockstep.before(kind, u, mod, _in_backward())
+        except ValueError:
+            if self._in_forward:
+                self._end_forward()
+            raise
+
+    def _start_gather(self, u: Unit, mod: nn.Module) -> None:
         if u.flat is not None or u in self._pending:
             return
+        self._check(GATHER, u, mod)
         buf = self.zeros(u.layout.padded, "temporaries", self.param_dtype)
         self._pending[u] = (buf, self.comm.all_gather(buf, u.shard, async_op=self.prefetch))
 
-    def _gather(self, u: Unit) -> None:
-        self._start_gather(u)
+    def _gather(self, u: Unit, mod: nn.Module) -> None:
+        self._start_gather(u, mod)
         if u in self._pending:
             buf, work = self._pending.pop(u)
             work.wait()
@@ -165,14 +184,14 @@ class ZeRO3(ShardedAdamW):
         i = self._order.index(mod) + (-1 if backward else 1)
         if 0 <= i < len(self._order):
             for u in self._needs[self._order[i]]:
-                self._start_gather(u)
+                self._start_gather(u, self._order[i])
 
     # ----------------------------------------------------------------- module hooks
     def _pre_forward(self, mod: nn.Module, args: Any) -> Any:
         if self._recording and mod not in self._order:
             self._order.append(mod)
         for u in self._needs[mod]:
-            self._gather(u)
+            self._gather(u, mod)
         if not _in_backward():  # a recompute runs only this block: prefetch nothing beyond
             self._prefetch_after(mod, backward=False)
         if not torch.is_grad_enabled():
@@ -190,7 +209,11 @@ class ZeRO3(ShardedAdamW):
         )
 
     def _post_forward(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if not _in_backward():  # in a recompute, keep the unit: its backward comes next
+        # in a recompute, keep the unit: its backward comes next. The root's unit stays until
+        # the end of backward (FSDP2's root does too): its backward pre-hook sits on the output,
+        # a child's output on one rank (child's hook first) and not on another (root first):
+        # gathering it there again would order the all-gathers differently per rank.
+        if not _in_backward() and not (mod is self.model and torch.is_grad_enabled()):
             for u in self._needs[mod]:
                 self._free(u)
         if torch.is_grad_enabled():
@@ -200,11 +223,16 @@ class ZeRO3(ShardedAdamW):
 
     def _pre_backward(self, mod: nn.Module) -> None:
         for u in self._needs[mod]:
-            self._gather(u)
+            self._gather(u, mod)
         self._prefetch_after(mod, backward=True)
+
+    def _begin_forward(self) -> None:
+        self._saved_hooks.__enter__()
+        self._in_forward = True
 
     def _end_forward(self) -> None:
         self._saved_hooks.__exit__(None, None, None)
+        self._in_forward = False
         self._recording = False
 
     # ----------------------------------------------------------------- saved tensors
@@ -218,7 +246,7 @@ class ZeRO3(ShardedAdamW):
         if isinstance(packed, torch.Tensor):
             return packed
         u, offset, shape, stride = packed
-        self._gather(u)  # normally already gathered by the backward pre-hook
+        self._gather(u, u.owner)  # normally already gathered by the backward pre-hook
         assert u.flat is not None
         return u.flat.as_strided(shape, stride, offset)
 
@@ -236,10 +264,12 @@ class ZeRO3(ShardedAdamW):
                 self.reducer.reduce_now(u)
 
     def _reduce_and_free(self, u: Unit) -> None:
+        self._check(REDUCE, u, u.owner)
         self.reduce_scatter_grads(u)
         self._free(u)  # its gradients are reduced: backward needs it no more
 
     def _after_backward(self) -> None:
+        self._lockstep.end()  # after the flush's reduce-scatters: the first step's last record
         for u in self.units:  # gathered for a backward that produced no gradient for them
             self._free(u)
             self._uses[u] = 0
@@ -249,6 +279,8 @@ class ZeRO3(ShardedAdamW):
     @torch.no_grad()
     def step(self) -> bool:
         """AdamW on my shard; the next forward gathers it. False when the scaler skipped."""
+        for u in self.units:  # a forward without backward may have left the root's unit
+            self._free(u)
         return self.apply_step(lambda u: self.policy.grad_to_master(u.grad, self.world_size))
 
 

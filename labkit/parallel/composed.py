@@ -1,0 +1,264 @@
+"""One configuration of the composition matrix on its ranks (dp = 2 x tp x pp), trained for two
+steps; its single-process reference is :mod:`labkit.parallel.composed_ref`.
+
+The composition order is :func:`labkit.parallel.compose`'s (tp -> activation checkpointing ->
+pipeline -> data parallelism), and the pipeline cut is 3D's (:func:`~labkit.parallel.threed.
+pipeline_hook`), used for pp = 1 too (one stage holding everything). Data parallelism is one of:
+
+* a DDP wrapper (naive, flat, bucketed, overlapped) around this rank's stages, with torch's
+  AdamW on its parameters: micro-batches accumulate inside ``no_sync()``; with pp = 1 the last
+  micro-batch's backward runs with sync on (overlapped DDP launches its buckets from gradient
+  hooks, while tensor parallelism's collectives run on the main thread); with pp = 2 the
+  executor's whole step is one ``no_sync()`` and ``finish_gradient_sync()`` follows it;
+* a ZeRO stage (``labkit.zero.make_optimizer``), its own dp reduction at ``step`` (stages
+  0-1) or during backward (2-3; pp = 1 only, see :data:`labkit.parallel.matrix.REFUSED`).
+
+Then, in this order (all linear, so any order gives the same sum, but each needs the
+gradients where they are at that moment): sequence-parallel parameters' partial gradients are
+summed over tp (after the wrapper's dp average, or on ZeRO-2/3's gradient shard, whose layout
+is the same on every tp rank); the tied embedding's two gradients are summed over Megatron's
+embedding group (pp = 2); the optimizer steps (fp16: through the loss scaler, which agrees on
+a skipped step over the whole world, since tp and pp ranks hold different gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from labkit.collectives import Comm
+from labkit.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
+from labkit.models.gpt import lm_loss
+from labkit.parallel.composed_ref import (
+    ADAM,
+    INIT_SCALE,
+    MICRO_BATCH,
+    STEPS,
+    ScaleGrad,
+    add_branch,
+    autocast,
+    batch,
+    build_model,
+    model_config,
+    norm_name,
+)
+from labkit.parallel.compose import compose
+from labkit.parallel.layout import ParallelDegrees, build_layout, rank_grid
+from labkit.parallel.matrix import Combo, check_combo
+from labkit.parallel.threed import pipeline_hook
+from labkit.pipeline.executor import embedding_groups, pipeline_step
+from labkit.pipeline.schedules import make_schedule
+from labkit.pipeline.stages import check_pipeline
+from labkit.precision.loss_scaler import DynamicLossScaler
+from labkit.tensor_parallel import TPConfig, vocab_parallel_cross_entropy
+from labkit.zero.factory import make_optimizer
+
+__all__ = ["WRAPPERS", "check", "degrees", "train_combo", "train_combos"]
+
+WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP}
+BUCKET_MB = 0.004  # ~4 KB: several buckets even for the tiny GPT
+SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb_h1"}
+
+
+def degrees(combo: Combo) -> ParallelDegrees:
+    return ParallelDegrees(dp=2, tp=combo.tp_degree, pp=combo.pp_degree)
+
+
+def _virtual(combo: Combo) -> int:
+    return 2 if combo.pp == "interleaved" else 1
+
+
+def check(combo: Combo) -> None:
+    """Every reason ``combo`` cannot run, as a ValueError, before any process starts: a
+    refused pair (:func:`~labkit.parallel.matrix.check_combo`), the model's shape against tp,
+    the cut and schedule against pp."""
+    check_combo(combo)
+    d, cfg = degrees(combo), model_config(combo)
+    d.check_model(hidden=cfg.n_embd, heads=cfg.n_head, vocab=cfg.vocab_size)
+    if combo.pp != "1":
+        check_pipeline(cfg.n_layer, d.pp, combo.accum, SCHEDULE[combo.pp], _virtual(combo))
+
+
+def train_combos(combos: list[Combo], wrong: str | None = None) -> list[dict[str, Any]]:
+    """On every rank of a world of the combos' size: each combo in turn (a failure is
+    recorded, and the next combo runs, unless it broke the world)."""
+    out = []
+    for c in combos:
+        try:
+            out.append(train_combo(c, wrong))
+        except Exception as exc:  # noqa: BLE001 - reported per configuration, by name
+            out.append({"rank": dist.get_rank(), "error": f"{type(exc).__name__}: {exc}"})
+    return out
+
+
+def _cut(model: Any, pp_group: Any, *, combo: Combo) -> Any:
+    """The pipeline hook: the branch joins the (tensor-parallel) GPT, then 3D's cut."""
+    if combo.branch:
+        add_branch(getattr(model, "gpt", model), combo.tp == "2+sp")
+    return pipeline_hook(model, pp_group, virtual=_virtual(combo))
+
+
+def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
+    """Train ``combo`` for STEPS steps on this rank. Returns ``rank``, ``losses`` (the dp mean,
+    None off the last stage) and ``params`` (after each step, full size, named as the
+    reference; only on tp rank 0 of replica 0, else []). ``wrong="no_dp_sync"`` skips the
+    wrapper's gradient average: a negative control."""
+    check(combo)
+    d = degrees(combo)
+    layout = build_layout(d)
+    tpc = None
+    if combo.tp != "1":
+        tpc = TPConfig(sequence_parallel=combo.tp == "2+sp", impl=combo.comm)
+    stages: Any = compose(
+        build_model(combo, branch=False), layout, tensor_parallel=tpc,
+        checkpoint="full" if combo.checkpoint else None, pipeline=partial(_cut, combo=combo),
+    )  # fmt: skip
+    chunks = list(stages.chunks)
+    model = chunks[0] if combo.pp == "1" else stages  # ZeRO-3's hooks need the forward's module
+    scaler = DynamicLossScaler(INIT_SCALE) if combo.precision == "fp16" else None
+    trainable = [p for p in stages.parameters() if p.requires_grad]
+    ddp, opt = None, None
+    if combo.dp in WRAPPERS:
+        comm = Comm(layout.dp_group, combo.comm)
+        extra = {} if combo.dp in ("naive", "flat") else {"bucket_cap_mb": BUCKET_MB}
+        ddp = WRAPPERS[combo.dp](model, group=layout.dp_group, comm=comm, **extra)
+        a = ADAM
+        opt = torch.optim.AdamW(
+            trainable, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay
+        )
+    else:
+        stage = combo.dp.split("+")[0]
+        opt = make_optimizer(
+            stage, model, ADAM, group=layout.dp_group, comm_impl=combo.comm, scaler=scaler,
+            prefetch=combo.dp.endswith("prefetch"),
+        )  # fmt: skip
+    tied = combo.tied and combo.pp != "1"
+    emb_group = embedding_groups(rank_grid(d)["pp"], _virtual(combo)) if tied else None
+    tp_comm = Comm(layout.tp_group, combo.comm)
+    m, dp_rank = combo.accum, layout.dp_rank
+    try:
+        losses, params = [], []
+        for step in range(STEPS):
+            x, y = batch(combo, step)
+            xs, ys = list(x[dp_rank * m : (dp_rank + 1) * m]), list(y[dp_rank * m : (dp_rank + 1) * m])
+            if ddp is not None:
+                opt.zero_grad(set_to_none=True)
+            else:
+                opt.zero_grad()
+            loss = _forward_backward(combo, chunks, layout, ddp, xs, ys, tp_comm, scaler)
+            if ddp is not None and wrong != "no_dp_sync":
+                ddp.finish_gradient_sync()
+            if combo.tp == "2+sp":
+                _sum_sequence_parallel(stages, opt, tp_comm, sharded=combo.dp.startswith(("zero2", "zero3")))
+            if emb_group is not None:
+                for c in chunks:
+                    w = c.tied_weight()
+                    if w is not None and w.grad is not None:
+                        dist.all_reduce(w.grad, group=emb_group)
+            if ddp is None or scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            losses.append(_dp_mean(loss, layout))
+            params.append(_snapshot(combo, stages, model, opt, layout))
+        return {"rank": dist.get_rank(), "losses": losses, "params": [p for p in params if p]}
+    finally:
+        if emb_group is not None:
+            dist.destroy_process_group(emb_group)
+
+
+def _forward_backward(
+    combo: Combo, chunks: list[Any], layout: Any, ddp: Any, xs: list, ys: list,
+    tp_comm: Comm, scaler: DynamicLossScaler | None,
+) -> float | None:  # fmt: skip
+    """This rank's forward and backward of its micro-batches; the last stage's mean loss."""
+    scale = 1.0 if scaler is None else scaler.get_scale()
+
+    def loss_fn(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()  # cross-entropy in fp32, as autocast runs F.cross_entropy
+        loss = lm_loss(logits, tgt) if combo.tp == "1" else vocab_parallel_cross_entropy(
+            logits, tgt, tp_comm
+        )  # fmt: skip
+        return loss if scale == 1.0 else ScaleGrad.apply(loss, scale)
+
+    m = len(xs)
+    if combo.pp == "1":
+        total = 0.0
+        for i, (xi, yi) in enumerate(zip(xs, ys)):
+            quiet = ddp.no_sync() if ddp is not None and i < m - 1 else contextlib.nullcontext()
+            with quiet:
+                with autocast(combo):
+                    loss = loss_fn(chunks[0](xi), yi) / m
+                loss.backward()
+            total += loss.item()
+        return total
+    sched = make_schedule(SCHEDULE[combo.pp], 2, m, _virtual(combo))
+    t = combo.tp_degree if combo.tp == "2+sp" else 1
+    shape = (MICRO_BATCH, xs[0].shape[1] // t, model_config(combo).n_embd)
+    quiet = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+    with quiet, autocast(combo):
+        res = pipeline_step(
+            sched, chunks, xs, ys, shape, group=layout.pp_group, loss_fn=loss_fn, barrier=False
+        )
+    return res.loss
+
+
+def _sum_sequence_parallel(stages: Any, opt: Any, comm: Comm, sharded: bool) -> None:
+    """Sum the partial gradients of sequence-parallel parameters over tp (one flat all-reduce):
+    ``p.grad`` where it lives, or ZeRO-2/3's gradient shard pieces of those parameters."""
+    views = []
+    if sharded:
+        for u in opt.units:
+            for pc in opt.pieces[u]:
+                if getattr(u.params[pc.param], "sequence_parallel", False):
+                    views.append(u.grad[pc.shard_start : pc.shard_start + pc.length])
+    else:
+        views = [
+            p.grad for p in stages.parameters()
+            if getattr(p, "sequence_parallel", False) and p.grad is not None
+        ]  # fmt: skip
+    if not views:
+        return
+    flat = torch.cat([v.reshape(-1) for v in views])
+    comm.all_reduce(flat)
+    offset = 0
+    for v in views:
+        v.copy_(flat[offset : offset + v.numel()].view_as(v))
+        offset += v.numel()
+
+
+def _dp_mean(loss: float | None, layout: Any) -> float | None:
+    if loss is None:
+        return None
+    t = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(t, group=layout.dp_group)
+    return t.item() / dist.get_world_size(layout.dp_group)
+
+
+def _snapshot(combo: Combo, stages: Any, model: Any, opt: Any, layout: Any) -> dict[str, Any]:
+    """This stage's full parameters (tp shards all-gathered), on replica 0 only (ZeRO-3: its
+    consolidated shards, a collective over dp)."""
+    values = {id(p): p.detach() for p in stages.parameters()}
+    if combo.dp.startswith("zero3"):
+        sd = opt.full_state_dict()  # every dp rank calls it; rank 0 of dp gets it
+        if sd is None:
+            return {}
+        named = dict(model.named_parameters())
+        values.update({id(named[n]): t.view_as(named[n]) for n, t in sd["params"].items()})
+    if layout.dp_rank != 0:
+        return {}
+    out, t = {}, dist.get_world_size(layout.tp_group)
+    for name, p in stages.named_parameters():
+        x = values[id(p)]
+        dim = getattr(p, "tp_shard_dim", None)
+        if dim is not None and t > 1:
+            parts = [torch.empty_like(x) for _ in range(t)]
+            dist.all_gather(parts, x.contiguous(), group=layout.tp_group)
+            x = torch.cat(parts, dim=dim)
+        out[norm_name(name.split(".", 2)[2], combo.tied)] = x.clone()
+    return out if layout.tp_rank == 0 else {}
