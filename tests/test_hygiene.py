@@ -128,8 +128,9 @@ def test_launch_leaves_nothing_a_rank_started_on_any_way_out(job_tag):
     with pytest.raises(RankFailedError, match="rank 1 raised ValueError"):
         launch(_children_then, "raise", world_size=2, timeout=60, quiet=True, env=env)
     assert not processes_tagged(job_tag), "after a failure"
-    with pytest.raises(JobTimeoutError):
+    with pytest.raises(JobTimeoutError) as timed_out:
         launch(_children_then, "hang", world_size=2, timeout=8, quiet=True, env=env)
+    assert all("in _children_then" in s for s in timed_out.value.stacks.values())  # it ran
     assert not processes_tagged(job_tag), "after a timeout"
 
 

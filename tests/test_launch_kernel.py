@@ -147,7 +147,7 @@ labkit.launch(sleepy, world_size=2, timeout=300, env={{"LABKIT_TEST_TAG": "{tag}
 
 def test_world_in_a_kernel_keeps_rank_state_across_ranks_cells_and_dies_with_the_kernel():
     """%%ranks cells share each rank's namespace; the stop button keeps the world; killing
-    the kernel ends every rank (PR_SET_PDEATHSIG), with no close() ever called."""
+    the kernel ends every rank (the lifeline: launch/lifeline.py), with no close() ever called."""
     tag = uuid.uuid4().hex
     km, kc = start_new_kernel(kernel_name="python3")
     try:
@@ -188,7 +188,7 @@ def test_world_in_a_kernel_keeps_rank_state_across_ranks_cells_and_dies_with_the
         reply, _ = run_cell(kc, "%%ranks\nraise ValueError('cell fails on rank ' + str(rank))")
         assert reply["status"] == "error" and reply["ename"] == "RankFailedError"
         assert "cell fails on rank" in reply["evalue"]
-        assert len(processes_tagged(tag)) == 2
+        assert len(processes_tagged(tag)) == 3  # two ranks and the world's lifeline watchdog
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -245,7 +245,7 @@ class _Job:
     def stop(self) -> None:
         """Every way out (done, failed, timed out, interrupted) ends the whole job here; this
         also reaps ranks of an agent that exited on its own, and whatever a rank started."""
-        self.lifeline.end(roots=[self.proc.pid])
+        self.lifeline.end(roots=[self.proc.pid] if self.proc.returncode is None else [])
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         for t in self.pumps:

@@ -83,8 +83,9 @@ class Lifeline:
     def end(self, roots: Iterable[int] = ()) -> None:
         """Kill every process of the job and return once each is dead (idempotent).
 
-        The job: the ``roots`` (its top processes) and their descendants, the group's members
-        and every process carrying the run id. Descendants are collected before anything is
+        The job: the ``roots`` (its top processes, children of the caller not yet reaped, so
+        their pids cannot have been reused) and their descendants, the group's members and
+        every process carrying the run id. Descendants are collected before anything is
         killed: once their parent is gone they can no longer be found that way."""
         import psutil
 

@@ -65,7 +65,9 @@ def seed_everything(seed: int) -> None:
 
 
 def _set_pdeathsig() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so nothing outlives a job."""
+    """Ask Linux to SIGKILL this process when its parent dies: a second, immediate layer under
+    the job's lifeline (``lifeline.py``), which is what guarantees that nothing outlives a job
+    (a death signal reaches only the direct children of the process that died)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -165,7 +165,7 @@ def stop(holder: list[_Ranks | None]) -> None:
     holder[0] = None
     if ranks is None:
         return
-    ranks.lifeline.end(roots=[p.pid for p in ranks.procs])
+    ranks.lifeline.end(roots=[p.pid for p in ranks.procs if p.returncode is None])
     for proc in ranks.procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)

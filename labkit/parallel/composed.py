@@ -61,7 +61,7 @@ __all__ = ["WRAPPERS", "check", "degrees", "train_combo", "train_combos"]
 
 WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP}
 BUCKET_MB = 0.004  # ~4 KB: several buckets even for the tiny GPT
-SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb_h1"}
+SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb-h1"}
 
 
 def degrees(combo: Combo) -> ParallelDegrees:
@@ -83,13 +83,17 @@ def check(combo: Combo) -> None:
         check_pipeline(cfg.n_layer, d.pp, combo.accum, SCHEDULE[combo.pp], _virtual(combo))
 
 
-def train_combos(combos: list[Combo], wrong: str | None = None) -> list[dict[str, Any]]:
-    """On every rank of a world of the combos' size: each combo in turn (a failure is
-    recorded, and the next combo runs, unless it broke the world)."""
+def train_combos(
+    combos: list[Combo], wrong: list[str | None] | None = None
+) -> list[dict[str, Any]]:
+    """On every rank of a world of the combos' size: each combo in turn (``wrong[i]``: the
+    negative control of combo i, see :func:`train_combo`). A failure is recorded and the next
+    combo runs; one that raised on some ranks only leaves the others in a collective, and the
+    caller's timeout reports every rank's stack."""
     out = []
-    for c in combos:
+    for i, c in enumerate(combos):
         try:
-            out.append(train_combo(c, wrong))
+            out.append(train_combo(c, None if wrong is None else wrong[i]))
         except Exception as exc:  # noqa: BLE001 - reported per configuration, by name
             out.append({"rank": dist.get_rank(), "error": f"{type(exc).__name__}: {exc}"})
     return out
@@ -249,7 +253,7 @@ def _snapshot(combo: Combo, stages: Any, model: Any, opt: Any, layout: Any) -> d
         if sd is None:
             return {}
         named = dict(model.named_parameters())
-        values.update({id(named[n]): t.view_as(named[n]) for n, t in sd["params"].items()})
+        values.update({id(named[n]): t for n, t in sd["params"].items()})  # full shape
     if layout.dp_rank != 0:
         return {}
     out, t = {}, dist.get_world_size(layout.tp_group)

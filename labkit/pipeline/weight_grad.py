@@ -74,12 +74,19 @@ class WeightGradRecorder:
 
 
 def _accumulate(param: torch.Tensor | None, value: torch.Tensor) -> None:
+    """``param.grad += value`` as autograd's accumulation does it: in the parameter's dtype
+    (under autocast ``value`` is 16-bit, the fp32 parameter's gradient is not), then the
+    parameter's post-accumulate-grad hooks, which autograd would have run (ZeRO's "used"
+    flags and DDP's bucket hooks hang there; without them a W-computed gradient is unseen)."""
     if param is None or not param.requires_grad:
         return
+    value = value.to(param.dtype)
     if param.grad is None:
         param.grad = value
     else:
         param.grad += value
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(param)
 
 
 def apply_weight_grads(entries: list[list[Any]]) -> None:
