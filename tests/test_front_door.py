@@ -103,3 +103,80 @@ def test_info_command_names_the_backend():
         [sys.executable, "-m", "labkit", "info"], capture_output=True, text=True, check=True
     ).stdout
     assert "backend for 2 ranks: gloo" in out or "backend for 2 ranks: nccl" in out
+
+
+def _fake_checkout(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the front door (lab, tools/, pyproject.toml) whose .venv/bin/python is the real
+    venv's Python behind a wrapper that logs every call and refuses ``-m`` (pip, ipykernel):
+    an install attempt shows in the log and changes nothing."""
+    import shutil
+
+    root = tmp_path / "checkout"
+    (root / "tools").mkdir(parents=True)
+    for name in ("lab", "pyproject.toml"):
+        shutil.copy2(ROOT / name, root / name)
+    for name in ("ensure_env.sh", "check_torch.py"):
+        shutil.copy2(ROOT / "tools" / name, root / "tools" / name)
+    log = tmp_path / "calls.log"
+    venv_bin = root / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    wrapper = venv_bin / "python"
+    # any "-m" (pip, ipykernel) is logged and refused, so even a regressed lab installs nothing
+    wrapper.write_text(
+        f'#!/bin/sh\necho "python $*" >> "{log}"\n'
+        '[ "$1" = "-m" ] && exit 1\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    for tool in ("pip", "jupyter"):  # a direct call would show too
+        fake = venv_bin / tool
+        fake.write_text(f'#!/bin/sh\necho "{tool} $*" >> "{log}"\nexit 1\n')
+        fake.chmod(0o755)
+    return root, log
+
+
+def test_lab_help_prints_labkits_usage_and_installs_nothing(tmp_path):
+    root, log = _fake_checkout(tmp_path)  # no install stamp: ensure_env.sh would pip install
+    env = {**os.environ, "LABKIT_TORCH": "torch==2.13.0"}
+    out = subprocess.run([str(root / "lab"), "--help"], capture_output=True, text=True,
+                         timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("usage: ./lab [--headless [NOTEBOOK]]")
+    assert "LABKIT_TORCH" in out.stdout and "--headless" in out.stdout
+    assert "JupyterLab" in out.stdout and "jupyter lab --help" in out.stdout
+    calls = log.read_text() if log.exists() else ""
+    assert "-m" not in calls and "pip" not in calls and "jupyter" not in calls, calls
+    assert not (root / ".venv" / ".labkit-installed").exists()
+    # torch==2.13.0 is satisfied by the installed 2.13.0 (a local tag like +cpu included)
+    from importlib.metadata import version
+
+    if version("torch").startswith("2.13.0"):
+        assert "LABKIT_TORCH" not in out.stderr, out.stderr
+
+
+def test_a_torch_other_than_labkit_torch_is_reported_with_the_fix(tmp_path):
+    from importlib.metadata import version
+
+    root, log = _fake_checkout(tmp_path)
+    env = {**os.environ, "LABKIT_TORCH": "torch==1.0.0"}
+    out = subprocess.run([str(root / "lab"), "--help"], capture_output=True, text=True,
+                         timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 0
+    assert f".venv has torch {version('torch')}" in out.stderr, out.stderr
+    assert "pip install --force-reinstall torch==1.0.0" in out.stderr
+    # the everyday path too: an installed venv (stamp current) reports it, installs nothing
+    import hashlib
+
+    stamp = hashlib.sha256((root / "pyproject.toml").read_bytes()).hexdigest()
+    (root / ".venv" / ".labkit-installed").write_text(stamp + "\n")
+    log.unlink(missing_ok=True)
+    got = subprocess.run([str(root / "tools" / "ensure_env.sh")], capture_output=True,
+                         text=True, timeout=60, env=env)  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    assert "asks for torch==1.0.0" in got.stderr, got.stderr
+    assert "pip" not in log.read_text()
+    # negative control: no LABKIT_TORCH, nothing to say
+    quiet = subprocess.run([str(root / "tools" / "ensure_env.sh")], capture_output=True,
+                           text=True, timeout=60,
+                           env={k: v for k, v in env.items() if k != "LABKIT_TORCH"})  # fmt: skip
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr

@@ -19,6 +19,7 @@ from labkit.planner import (
     training_days,
 )
 from labkit.planner.flops import A100_PEAK, TABLE1_SEQ, TABLE1_VOCAB, megatron_params
+from labkit.planner.table1 import table1_agreement
 
 
 def _cfg(row) -> GPTConfig:
@@ -66,14 +67,18 @@ def test_training_time_estimates_of_the_paper() -> None:
 
 
 @pytest.mark.parametrize("row", MEGATRON_TABLE1, ids=lambda r: f"{r.params_billion}B")
-def test_planner_ranks_the_papers_layout_in_its_top_three(row) -> None:
+def test_planner_ranks_the_papers_layout_in_its_top_four(row) -> None:
+    # what holds (notebook 08 prints it): the paper's (t, p) is among the planner's first four
+    # in every row. Four, not three: with the flat ring charged a node uplink shared only by
+    # the dp rings crossing it (NCCL's rail-aligned channels), dp is cheap enough that the
+    # planner prefers t=4, p=2 at 18.4B, where the paper ran t=8, p=1.
     cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(row.gpus // 8)
     ranked: list[tuple[int, int]] = []
     for pred in plan(_cfg(row), cluster, row.batch):  # full recompute, no ZeRO, v = 1
         key = (pred.candidate.tp, pred.candidate.pp)
         if pred.fits and key not in ranked:
             ranked.append(key)
-    assert (row.tp, row.pp) in ranked[:3], (
+    assert (row.tp, row.pp) in ranked[:4], (
         f"{row.params_billion}B: paper {(row.tp, row.pp)}, planner {ranked[:5]}"
     )
 
@@ -84,8 +89,16 @@ def test_table1_comparison_predicts_throughput_within_a_quarter() -> None:
     rows = compare_table1(efficiency=0.5)
     assert [r["paper (t, p)"] for r in rows] == [(r.tp, r.pp) for r in MEGATRON_TABLE1]
     for r in rows:
-        assert 1 <= r["paper's rank in planner"] <= 3, r
+        assert 1 <= r["paper's rank in planner"] <= 4, r
         assert abs(r["planner TFLOP/s"] / r["paper TFLOP/s"] - 1) < 0.25, r
+    # and what does not hold, stated so the lessons cannot overstate it: the planner's first
+    # choice is the paper's in only some rows, and its TFLOP/s falls with size where the
+    # paper's rises (one efficiency for every matmul; see table1_agreement)
+    got = table1_agreement(rows)
+    assert got.rows == 10 and 3 <= got.first_choice_matches < 10, got
+    assert got.worst_rank == max(r["paper's rank in planner"] for r in rows), got
+    assert got.paper_tflops[1] > got.paper_tflops[0], got
+    assert got.planner_tflops[1] < got.planner_tflops[0], got
 
 
 def test_prediction_parts_by_hand() -> None:
@@ -164,7 +177,10 @@ def test_planner_with_the_simulated_bubble_ranks_the_same() -> None:
     )
     formula = plan(cfg, cluster, 128, **kw)
     simulated = plan(cfg, cluster, 128, bubble="simulated", **kw)
-    assert [r.candidate for r in formula[:10]] == [r.candidate for r in simulated[:10]]
+    # the same choice; below it, the two differ only by near-ties (within 1% of a step)
+    assert [r.candidate for r in formula[:3]] == [r.candidate for r in simulated[:3]]
+    for a, b in zip(formula[:10], simulated[:10]):
+        assert b.step_seconds == pytest.approx(a.step_seconds, rel=0.01)
     by_cand = {r.candidate: r for r in simulated}
     s, h, V = cfg.block_size, cfg.n_embd, cfg.vocab_size
     for a in formula:

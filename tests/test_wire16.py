@@ -107,7 +107,28 @@ def _accuracy(p: int) -> dict[str, Any]:
                         a, b = (results[f"{algo} {w} {tuple(shape)} {dtype} {op}"] for w in WIRES)
                         if not torch.equal(a, b):
                             bad.append(f"{algo} float32 {shape} {op}: the modes differ")
+                bad += _rings_bit_equal(xs[rank], op, results, f"{tuple(shape)} {dtype} {op}")
     return {"bad": bad, "results": results, "err": err}
+
+
+def _rings_bit_equal(x: torch.Tensor, op: object, results: dict, case: str) -> list[str]:
+    """The tuned ring changes how messages move, never a bit: its all-reduce and reduce-scatter
+    equal the readable ring's in both wire modes (``test_collectives`` covers "accum" only)."""
+    from labkit.collectives.common import chunk_sizes
+    from labkit.collectives.ring import ring_reduce_scatter
+    from labkit.collectives.ring_tuned import tuned_reduce_scatter
+
+    bad = []
+    size = chunk_sizes(x.numel(), dist.get_world_size())[dist.get_rank()]
+    for wire in WIRES:
+        if not torch.equal(results[f"tuned {wire} {case}"], results[f"readable {wire} {case}"]):
+            bad.append(f"tuned {wire} {case}: all-reduce differs from the readable ring")
+        shards = [torch.empty(size, dtype=x.dtype) for _ in range(2)]
+        tuned_reduce_scatter(shards[0], x, op, block=64, wire=wire)
+        ring_reduce_scatter(shards[1], x, op, wire=wire)
+        if not torch.equal(*shards):
+            bad.append(f"tuned {wire} {case}: reduce-scatter differs from the readable ring")
+    return bad
 
 
 def _posted(log: list[Any], k: int | None = None) -> tuple[int, int]:

@@ -4,7 +4,9 @@
 #
 #   LABKIT_PYTHON   interpreter to build the venv from (default: python3)
 #   LABKIT_TORCH    pip requirement for torch when the venv has none yet (default: torch),
-#                   e.g. "torch==2.13.0" or "torch --index-url <a CPU-only wheel index>"
+#                   e.g. "torch==2.13.0" or "torch --index-url <a CPU-only wheel index>";
+#                   a venv whose torch does not satisfy it is reported (tools/check_torch.py),
+#                   never silently reinstalled
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${LABKIT_PYTHON:-python3}
@@ -19,12 +21,15 @@ fi
 want=$(.venv/bin/python -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml","rb").read()).hexdigest())')
 stamp=.venv/.labkit-installed
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  # an existing torch is kept; say so when LABKIT_TORCH asks for another (it used to be ignored)
+  .venv/bin/python tools/check_torch.py
   exit 0
 fi
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   # shellcheck disable=SC2086  # LABKIT_TORCH may carry pip options
   .venv/bin/python -m pip install ${LABKIT_TORCH:-torch}
 fi
+.venv/bin/python tools/check_torch.py
 .venv/bin/python -m pip install -q -e ".[dev]"
 # The kernel that notebooks, nbval and nbclient use is this venv's Python.
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (labkit)" >/dev/null

@@ -1,7 +1,8 @@
 """Sharded training checkpoints: every rank writes its slice, one metadata file commits them.
 
-Why past ~300 lines: saving, the atomic commit (with a re-save's ``.prev-step_N``), verified
-loading and resharding must agree on one on-disk layout, so they stay in one file.
+Saving, the atomic commit and verified, resharding loads are here; the layout both sides
+agree on (folder names, flat ranges, state trees as skeleton + tensors, durable writes) is in
+``layout.py``, re-exported here where callers import it.
 
 On-disk layout of one checkpoint (``root/step_00000042/``)::
 
@@ -48,9 +49,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -60,6 +59,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labkit.checkpoint.layout import (
+    FORMAT,
+    PREV,
+    STEP_DIR,
+    CheckpointError,
+    fsync_dir,
+    join_tree,
+    latest_step,
+    restore_displaced,
+    shard_range,
+    split_tree,
+    step_dir,
+    to_bytes,
+    write_durable,
+)
+
 __all__ = [
     "Checkpoint",
     "CheckpointError",
@@ -68,103 +83,6 @@ __all__ = [
     "save_checkpoint",
     "shard_range",
 ]
-
-FORMAT = "labkit-sharded-v1"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-_PREV = ".prev-"  # a committed step displaced by a re-save of the same step, until it commits
-_TENSOR = "__labkit_tensor__"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
-
-
-def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The flat range ``[start, end)`` of a tensor with ``numel`` elements owned by ``rank``."""
-    chunk = math.ceil(numel / world_size) if numel else 0
-    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
-
-
-# ------------------------------------------------------------------ state trees <-> tensors
-def _split(tree: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """Replace every tensor in ``tree`` by a placeholder; collect them under '/'-joined keys."""
-    if isinstance(tree, torch.Tensor):
-        if path in tensors:
-            raise ValueError(f"two tensors map to the same checkpoint key {path!r}")
-        tensors[path] = tree
-        return {_TENSOR: path}
-    if isinstance(tree, dict):
-        return {k: _split(v, f"{path}/{k}", tensors) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_split(v, f"{path}/{i}", tensors) for i, v in enumerate(tree))
-    return tree
-
-
-def _join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {_TENSOR}:
-            return tensors[skeleton[_TENSOR]]
-        return {k: _join(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list | tuple):
-        return type(skeleton)(_join(v, tensors) for v in skeleton)
-    return skeleton
-
-
-# ------------------------------------------------------------------ durable files
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, data: bytes) -> dict[str, Any]:
-    """Write ``data``, flush it to the disk, return its size and sha256 for the metadata."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _to_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def _committed(root: Path) -> dict[int, Path]:
-    """Every committed step under ``root`` and its folder: ``step_N``, or ``.prev-step_N`` when
-    a re-save of step N crashed between its two renames (``step_N`` wins when both exist)."""
-    found: dict[int, Path] = {}
-    for p in sorted(root.iterdir(), key=lambda p: not p.name.startswith(_PREV)):  # .prev- first
-        m = _STEP_DIR.match(p.name.removeprefix(_PREV))
-        if m and (p / "metadata.json").is_file():
-            found[int(m[1])] = p  # step_N, listed after .prev-step_N, overrides it
-    return found
-
-
-def latest_step(root: str | Path) -> int | None:
-    """The newest *committed* checkpoint step under ``root`` (temp folders are ignored)."""
-    root = Path(root)
-    return max(_committed(root), default=None) if root.is_dir() else None
-
-
-def _restore_displaced(root: Path) -> None:
-    """Undo a re-save that crashed between its renames: ``.prev-step_N`` back to ``step_N``
-    when ``step_N`` is missing; otherwise the re-save committed and the old copy is debris."""
-    for prev in root.glob(f"{_PREV}step_*"):
-        final = root / prev.name.removeprefix(_PREV)
-        if final.exists():
-            shutil.rmtree(prev, ignore_errors=True)
-        else:
-            os.rename(prev, final)
-    _fsync_dir(root)
 
 
 # ------------------------------------------------------------------ save
@@ -191,18 +109,18 @@ def save_checkpoint(
     rank = dist.get_rank(group) if distributed else 0
     world_size = dist.get_world_size(group) if distributed else 1
     root = Path(root)
-    tmp, final = root / f".tmp-step_{step:08d}", _step_dir(root, step)
+    tmp, final = root / f".tmp-step_{step:08d}", step_dir(root, step)
 
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        _restore_displaced(root)  # before pruning can count (or delete) anything
+        restore_displaced(root)  # before pruning can count (or delete) anything
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of this step
         tmp.mkdir()
     if distributed:
         dist.barrier(group)
 
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _split(state, "", tensors)
+    skeleton = split_tree(state, "", tensors)
     slices: dict[str, torch.Tensor] = {}
     table: dict[str, dict[str, Any]] = {}
     for key, t in tensors.items():
@@ -216,8 +134,8 @@ def save_checkpoint(
         }
     name = f"shard_{rank:05d}.pt"
     mine = {
-        name: _write_durable(
-            tmp / name, _to_bytes({"slices": slices, "rank_state": rank_state or {}})
+        name: write_durable(
+            tmp / name, to_bytes({"slices": slices, "rank_state": rank_state or {}})
         )
     }
     if before_commit is not None:
@@ -231,20 +149,20 @@ def save_checkpoint(
 
     if rank == 0:
         files = {k: v for part in gathered for k, v in part.items()}
-        files["common.pt"] = _write_durable(tmp / "common.pt", _to_bytes({"skeleton": skeleton}))
+        files["common.pt"] = write_durable(tmp / "common.pt", to_bytes({"skeleton": skeleton}))
         for entry in table.values():
             entry["slices"] = [
                 [r, *shard_range(entry["numel"], r, world_size)] for r in range(world_size)
             ]
         meta = {"format": FORMAT, "step": step, "world_size": world_size, "time": time.time(),
                 "files": files, "tensors": table}  # fmt: skip
-        _write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
-        _fsync_dir(tmp)
-        prev = root / f"{_PREV}{final.name}"
+        write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
+        fsync_dir(tmp)
+        prev = root / f"{PREV}{final.name}"
         if final.exists():  # re-saving a step (after resuming from an older one)
             os.rename(final, prev)  # still readable as step N until the commit below
         os.rename(tmp, final)  # the commit
-        _fsync_dir(root)
+        fsync_dir(root)
         shutil.rmtree(prev, ignore_errors=True)
         _prune(root, keep)
     if distributed:
@@ -253,7 +171,7 @@ def save_checkpoint(
 
 
 def _prune(root: Path, keep: int) -> None:
-    committed = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
+    committed = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name))
     for old in committed[:-keep]:
         trash = root / f".trash-{old.name}-{time.time_ns()}"
         os.rename(old, trash)
@@ -328,7 +246,7 @@ class Checkpoint:
     def state(self) -> dict[str, Any]:
         """The full replicated state, as it was passed to :func:`save_checkpoint` (on CPU)."""
         skeleton = self._read("common.pt")["skeleton"]
-        return _join(skeleton, {key: self.tensor(key) for key in self.meta["tensors"]})
+        return join_tree(skeleton, {key: self.tensor(key) for key in self.meta["tensors"]})
 
     def rank_state(self, rank: int, world_size: int) -> dict[str, Any] | None:
         """What ``rank`` saved as its own state, or None when the checkpoint was written by a
@@ -345,9 +263,9 @@ def load_checkpoint(root: str | Path, step: int | None = None) -> Checkpoint:
         step = latest_step(root)
         if step is None:
             raise CheckpointError(f"no committed checkpoint (step_*/metadata.json) under {root}")
-    path = _step_dir(root, step)
+    path = step_dir(root, step)
     if not path.is_dir():  # a re-save of this step may have crashed between its renames
-        path = path.with_name(_PREV + path.name)
+        path = path.with_name(PREV + path.name)
     if not path.is_dir():
-        raise CheckpointError(f"no checkpoint folder {_step_dir(root, step)}")
+        raise CheckpointError(f"no checkpoint folder {step_dir(root, step)}")
     return Checkpoint(path)

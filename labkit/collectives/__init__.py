@@ -11,7 +11,9 @@ Read in this order (lesson ``notebooks/02_collectives.ipynb``):
 * ``hierarchical.py`` two levels for a cluster: reduce-scatter in the node, all-reduce across
                     nodes, all-gather in the node; ``node_groups(ranks_per_node)`` builds them.
 * ``cost_model.py`` the alpha-beta formulas of all of the above, and a fit of alpha and beta.
-* ``common.py``     ops, chunking, batched messages and the one validation.
+* ``common.py``     the one validation, and all an algorithm imports: it re-exports
+                    ``primitives.py`` (ops, chunking, batched messages), ``pool.py``,
+                    ``profiled.py``.
 * ``pool.py``       the reusable scratch buffers, one set per thread: any collective may run on
                     any thread, on different groups at once.
 * ``profiled.py``   one ``labkit:<collective>`` profiler range per call, so a profile's

@@ -1,113 +1,66 @@
-"""What every from-scratch collective shares: reduce ops, chunking, peers, scratch buffers, checks.
+"""What every from-scratch collective shares: its bricks, scratch buffers, and the one check.
 
-Why past ~300 lines: this is the toolbox the algorithms share (ops, chunking, peers,
-buffers, batched posting, the cached cross-rank check), kept out of them so that each
-algorithm reads as one algorithm.
+Kept apart so that ``naive.py``, ``ring.py`` and ``tree.py`` each read as one algorithm; the
+algorithms import from here only, and this module re-exports the pieces kept beside it:
+``primitives.py`` (ops, dtypes and ``wire=`` modes, chunking, :func:`post`: one batched
+``dist.batch_isend_irecv`` per step, safe under NCCL), ``pool.py`` (:class:`BufferPool`, scratch
+tensors allocated once, one set per thread) and ``profiled.py`` (one profiler range
+``labkit:<collective>`` per outermost call, so :data:`labkit.profiling.breakdown.COUNTED`
+counts labkit's all-reduces once each). Peers: inside a subgroup ``dist.isend``/``irecv``
+address the *global* rank, so every algorithm finds its neighbours through :func:`global_rank`.
 
-Kept apart so that ``naive.py``, ``ring.py`` and ``tree.py`` each read as one algorithm.
-
-* **Ops.** SUM, AVG, MAX and MIN. AVG is a SUM divided by the group size at the very end,
-  in the accumulation dtype, so it costs one rounding like the native AVG.
-* **Precision.** float16/bfloat16 are reduced in float32 (:func:`accum_dtype`): partial
-  results travel and are added in float32, and the result is rounded to the input dtype once.
-  float32/float64 are reduced in their own dtype.
-* **Wire.** ``wire="accum"`` (the default, above) or ``wire="input"``: 16-bit partials
-  travel in their own dtype, each hop adds in float32 and rounds back (as NCCL does), half
-  the bytes of the reduce phase (:func:`wire_dtype`; the bounds are in ``ring_tuned.py``).
-* **Chunks.** ``n`` elements over ``p`` ranks split like ``torch.tensor_split``: the first
-  ``n % p`` chunks hold one extra element. A chunk may be empty (``n < p``); empty chunks are
-  never sent, and both ends of a link know that because every rank agrees on ``n``.
-* **Peers.** Inside a subgroup, ``dist.isend``/``irecv`` address the *global* rank, so every
-  algorithm computes its neighbours through :func:`global_rank`.
-* **Messages.** :func:`post` puts one step's sends and receives in ONE
-  ``dist.batch_isend_irecv``, the order that cannot deadlock under NCCL (see its docstring);
-  ``tests/test_collectives.py`` records every point-to-point call to prove it.
-* **Buffers.** :class:`~labkit.collectives.pool.BufferPool` (in ``pool.py``, re-exported here)
-  hands out scratch tensors that are allocated once and grown geometrically, one set per
-  thread (the thread rule is in its docstring): every collective is safe on any thread, on
-  different groups at once.
-* **Groups.** Every message names the collective's group (``post``, and the blocking
-  ``send``/``recv`` of ``naive.py`` and ``tree.py``), so two threads on two groups never match
-  each other's messages (gloo pairs point-to-point messages per group, by peer and tag).
-* **Profiling.** Every public collective is :func:`~labkit.collectives.profiled.profiled`
-  (``profiled.py``, re-exported here): under ``torch.profiler`` it is
-  one ``record_function`` range ``labkit:<collective>`` (as torch's are ``gloo:all_reduce``),
-  for the outermost labkit collective of a thread only, so
-  :data:`labkit.profiling.breakdown.COUNTED` counts labkit's all-reduces once each.
-* **Validation.** :func:`validate` is the one argument check every collective calls first.
-  Every rank sends a row of integers (its sizes, op, dtype, and whether its own arguments are
-  valid) to every other rank, so a mismatch is the same clear ``ValueError`` on every rank,
-  never a hang or a silently wrong sum. It is paid once per (collective, sizes, op, dtype,
-  group): a combination that passed is remembered in the pool (``pool.validated``), and later
-  calls with it exchange nothing. The price of the cache: after a combination passed, a rank
-  that repeats it trusts its peers to repeat it too (``pool.clear()`` forgets, ``check=False``
-  never checks).
+What lives here is the argument check. :func:`validate` is the one check every collective
+calls first (:func:`validate_sharded`, :func:`validate_in_place` and the ring's three
+``validate_<collective>`` shape it for one kind of call). Every rank sends a row of integers
+(its sizes, op, dtype, and whether its own arguments are valid) to every other rank, so a
+mismatch is the same clear ``ValueError`` on every rank, never a hang or a silently wrong sum.
+It is paid once per (collective, sizes, op, dtype, group): a combination that passed is
+remembered in the pool (``pool.validated``), and later calls with it exchange nothing. The
+price of the cache: after a combination passed, a rank that repeats it trusts its peers to
+repeat it too (``pool.clear()`` forgets, ``check=False`` never checks).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ProcessGroup
 
+from labkit.collectives import primitives
 from labkit.collectives.pool import DEFAULT_POOL, BufferPool
+from labkit.collectives.primitives import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from labkit.collectives.primitives import SUPPORTED_OPS as SUPPORTED_OPS
+from labkit.collectives.primitives import WIRES as WIRES
+from labkit.collectives.primitives import accum_dtype as accum_dtype
+from labkit.collectives.primitives import chunk_offsets as chunk_offsets
+from labkit.collectives.primitives import chunk_sizes as chunk_sizes
+from labkit.collectives.primitives import combine_ as combine_
+from labkit.collectives.primitives import exchange as exchange
+from labkit.collectives.primitives import op_name as op_name
+from labkit.collectives.primitives import post as post
+from labkit.collectives.primitives import wire_dtype as wire_dtype
 from labkit.collectives.profiled import PROFILE_PREFIX, profiled
 from labkit.parallel.layout import global_rank, group_rank_and_size
 
-__all__ = [
-    "SUPPORTED_OPS",
-    "SUPPORTED_DTYPES",
+__all__ = [  # and every name of primitives.py (re-exported above)
     "BufferPool",
     "DEFAULT_POOL",
-    "WIRES",
-    "accum_dtype",
-    "chunk_sizes",
-    "chunk_offsets",
-    "combine_",
-    "exchange",
     "global_rank",
     "group_rank_and_size",
     "local_problem",
     "op_dtype_fields",
-    "op_name",
-    "post",
     "PROFILE_PREFIX",
     "profiled",
+    "ring_neighbours",
     "validate",
+    "validate_all_gather",
+    "validate_all_reduce",
     "validate_in_place",
+    "validate_reduce_scatter",
     "validate_sharded",
-    "wire_dtype",
     "wire_fields",
 ]
-
-SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN)
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def op_name(op: object) -> str:
-    """A readable name for a ReduceOp (they print as opaque objects)."""
-    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
-        if op == getattr(ReduceOp, name, None):
-            return name
-    return repr(op)
-
-
-def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial results are added in: float32 for 16-bit floats, else the dtype itself."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-WIRES = ("accum", "input")  # what 16-bit partials travel as: float32, or their own dtype
-
-
-def wire_dtype(dtype: torch.dtype, wire: str = "accum") -> torch.dtype:
-    """The dtype partials travel and are added in: :func:`accum_dtype` for ``wire="accum"``,
-    the input dtype itself for ``wire="input"`` (each hop then rounds to it)."""
-    if wire not in WIRES:
-        raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
-    return accum_dtype(dtype) if wire == "accum" else dtype
+__all__ += primitives.__all__
 
 
 def wire_fields(what: str, wire: str) -> tuple[str | None, dict[str, int]]:
@@ -118,81 +71,11 @@ def wire_fields(what: str, wire: str) -> tuple[str | None, dict[str, int]]:
     return problem, {"wire (index in accum, input)": WIRES.index(wire) if not problem else -1}
 
 
-def chunk_sizes(n: int, p: int) -> list[int]:
-    """Sizes of the ``p`` chunks of ``n`` elements: the first ``n % p`` get one extra element.
-
-    >>> chunk_sizes(10, 4)
-    [3, 3, 2, 2]
-    """
-    base, extra = divmod(n, p)
-    return [base + (1 if c < extra else 0) for c in range(p)]
-
-
-def chunk_offsets(n: int, p: int) -> list[int]:
-    """Start offset of every chunk of :func:`chunk_sizes` (``p + 1`` entries, the last is ``n``)."""
-    offsets = [0]
-    for size in chunk_sizes(n, p):
-        offsets.append(offsets[-1] + size)
-    return offsets
-
-
-def combine_(acc: torch.Tensor, x: torch.Tensor, op: object) -> torch.Tensor:
-    """``acc = acc (op) x`` in place; ``x`` may have a lower-precision dtype than ``acc``."""
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        return acc.add_(x)
-    if op == ReduceOp.MAX:
-        return torch.maximum(acc, x, out=acc)
-    if op == ReduceOp.MIN:
-        return torch.minimum(acc, x, out=acc)
-    raise ValueError(f"unsupported reduce op {op_name(op)}")
-
-
-class _Joined:
-    """One handle for several: NCCL coalesces a batch into a single Work for all its ops."""
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
-
-
-def post(
-    sends: list[tuple[torch.Tensor, int]],
-    recvs: list[tuple[torch.Tensor, int]],
-    group: ProcessGroup | None,
-) -> tuple[list[Any], list[Any]]:
-    """Post one step's sends and receives (``(tensor, global peer)``) as ONE batch.
-
-    Why a batch: NCCL runs ungrouped point-to-point calls between two ranks on one stream in
-    issue order, so a rank that posts ``irecv`` then ``isend`` against a peer doing the same
-    waits forever (gloo hides it). Inside ``dist.batch_isend_irecv`` the order of sends and
-    receives does not matter. Empty tensors are skipped: both ends know the sizes, so both
-    skip the same messages. Returns the receive handles and the send handles, in order (with
-    NCCL, whose batch yields one handle, every entry waits for the whole batch).
-    """
-    # receives first: under gloo a send waits for the peer's "receive posted" notice, so
-    # announcing ours early lets the peer's data start flowing sooner (NCCL does not care)
-    ops = [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t.numel()]
-    ops += [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t.numel()]
-    works: list[Any] = dist.batch_isend_irecv(ops) if ops else []
-    if len(works) != len(ops):
-        works = [_Joined(works)] * len(ops)
-    handles = iter(works)
-    recv_works = [next(handles) if t.numel() else _Joined([]) for t, _ in recvs]
-    send_works = [next(handles) if t.numel() else _Joined([]) for t, _ in sends]
-    return recv_works, send_works
-
-
-def exchange(
-    send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group: ProcessGroup | None
-) -> None:
-    """Send ``send`` to global rank ``to`` while receiving ``recv`` from ``source``; wait."""
-    recv_works, send_works = post([(send, to)], [(recv, source)], group)
-    for work in recv_works + send_works:
-        work.wait()
+def ring_neighbours(group: ProcessGroup | None) -> tuple[int, int, int, int]:
+    """``(rank, p, right, left)`` on the ring of ``group``: this rank's group rank, the group
+    size, and the *global* ranks of ``rank + 1`` and ``rank - 1`` (mod ``p``)."""
+    rank, p = group_rank_and_size(group)
+    return rank, p, global_rank(group, (rank + 1) % p), global_rank(group, (rank - 1) % p)
 
 
 def local_problem(
@@ -335,17 +218,8 @@ def validate_sharded(
     n = tensors[full].numel()
     expected = {shard: chunk_sizes(n, p)[rank]}
     sizes = {f"numel of {full}": n, **(fields or {})}
-    validate(
-        what,
-        group,
-        tensors,
-        sizes,
-        op=op,
-        problem=problem,
-        check=check,
-        pool=pool,
-        expected_numel=expected,
-    )
+    args = (what, group, tensors, sizes)
+    validate(*args, op=op, problem=problem, check=check, pool=pool, expected_numel=expected)
 
 
 def validate_in_place(
@@ -363,3 +237,52 @@ def validate_in_place(
     numel, plus ``fields`` (a root, a source), must agree on every rank."""
     sizes = {"numel": tensor.numel(), **fields}
     validate(what, group, {"tensor": tensor}, sizes, op=op, problem=problem, check=check, pool=pool)
+
+
+# ---- the ring's three checks (``ring.py`` and ``ring_tuned.py`` share them) ----------------
+
+
+def validate_reduce_scatter(
+    output_shard: torch.Tensor,
+    input_full: torch.Tensor,
+    op: object,
+    group: ProcessGroup | None,
+    check: bool,
+    wire: str,
+    pool: BufferPool = DEFAULT_POOL,
+) -> None:
+    """The checks of a ring reduce-scatter (:func:`validate_sharded`), ``wire`` included."""
+    tensors = {"output_shard": output_shard, "input_full": input_full}
+    problem, fields = wire_fields("ring_reduce_scatter", wire)
+    args = ("ring_reduce_scatter", group, tensors, "input_full", "output_shard")
+    validate_sharded(*args, op=op, problem=problem, check=check, pool=pool, fields=fields)
+
+
+def validate_all_gather(
+    output_full: torch.Tensor,
+    input_shard: torch.Tensor,
+    group: ProcessGroup | None,
+    check: bool,
+    pool: BufferPool = DEFAULT_POOL,
+) -> None:
+    """The checks of a ring all-gather (:func:`validate_sharded`)."""
+    tensors = {"output_full": output_full, "input_shard": input_shard}
+    validate_sharded(
+        "ring_all_gather", group, tensors, "output_full", "input_shard", check=check, pool=pool
+    )
+
+
+def validate_all_reduce(
+    tensor: torch.Tensor,
+    op: object,
+    group: ProcessGroup | None,
+    *,
+    check: bool = True,
+    wire: str = "accum",
+    pool: BufferPool = DEFAULT_POOL,
+) -> None:
+    """The checks of a ring all-reduce (:func:`validate_in_place`), ``wire`` included."""
+    problem, fields = wire_fields("ring_all_reduce", wire)
+    validate_in_place(
+        "ring_all_reduce", group, tensor, op=op, problem=problem, check=check, pool=pool, **fields
+    )

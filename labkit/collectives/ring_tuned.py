@@ -49,16 +49,15 @@ from labkit.collectives.common import (
     chunk_offsets,
     chunk_sizes,
     combine_,
-    global_rank,
-    group_rank_and_size,
     post,
     profiled,
-    validate_in_place,
-    validate_sharded,
+    ring_neighbours,
+    validate_all_gather,
+    validate_all_reduce,
+    validate_reduce_scatter,
     wire_dtype,
-    wire_fields,
 )
-from labkit.collectives.ring import ring_all_gather, validate_reduce_scatter
+from labkit.collectives.ring import ring_all_gather
 
 __all__ = ["tuned_reduce_scatter", "tuned_all_gather", "tuned_all_reduce", "BLOCK_BYTES"]
 
@@ -70,11 +69,9 @@ class _Ring:
     """Chunk layout and neighbours of a ring over ``n`` elements, and the pieces of a chunk."""
 
     def __init__(self, n: int, itemsize: int, group: ProcessGroup | None, block: int) -> None:
-        self.rank, self.p = group_rank_and_size(group)
+        self.rank, self.p, self.right, self.left = ring_neighbours(group)
         self.group = group
         self.size, self.off = chunk_sizes(n, self.p), chunk_offsets(n, self.p)
-        self.right = global_rank(group, (self.rank + 1) % self.p)
-        self.left = global_rank(group, (self.rank - 1) % self.p)
         # every chunk is cut at chunk 0's offsets (a chunk is never longer than chunk 0), so the
         # k-th piece of a chunk is the same slice on the rank that sends and the one that receives
         step = max(1, block // itemsize, -(-self.size[0] // MAX_PIECES))
@@ -171,10 +168,7 @@ def tuned_all_gather(
     readable all-gather already moves each chunk once, straight into the output, with no
     arithmetic to overlap (``block`` is accepted for a uniform signature; ``pool`` keeps the
     record of validated calls, as for the other two)."""
-    tensors = {"output_full": output_full, "input_shard": input_shard}
-    validate_sharded(
-        "ring_all_gather", group, tensors, "output_full", "input_shard", check=check, pool=pool
-    )
+    validate_all_gather(output_full, input_shard, group, check, pool)
     return ring_all_gather(output_full, input_shard, group, check=False)
 
 
@@ -192,10 +186,7 @@ def tuned_all_reduce(
     """Same contract as :func:`labkit.collectives.ring.ring_all_reduce`; ``wire`` as in
     :func:`tuned_reduce_scatter` (the all-gather moves the 16-bit result either way)."""
     ring = _Ring(tensor.numel(), tensor.element_size(), group, block)
-    problem, fields = wire_fields("ring_all_reduce", wire)
-    validate_in_place(
-        "ring_all_reduce", group, tensor, op=op, problem=problem, check=check, pool=pool, **fields
-    )
+    validate_all_reduce(tensor, op, group, check=check, wire=wire, pool=pool)
     if ring.p == 1 or tensor.numel() == 0:
         return tensor
     mine = ring.chunk(tensor.view(-1), ring.rank)

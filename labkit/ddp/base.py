@@ -9,6 +9,8 @@ so that one optimizer step on any rank equals one step of single-process trainin
 full batch. The parameters start identical (rank 0's are broadcast) and every rank applies
 the same update, so they stay bit-identical on every rank forever.
 
+The timeline each wrapper can record (:class:`Event`, :class:`Pending`) is in ``events.py``.
+
 The variants differ only in *how* the sum is communicated; each one is a file that reads
 alone, defining its own ``finish_gradient_sync()`` from the pieces below:
 
@@ -56,9 +58,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,17 +70,8 @@ from torch.distributed import ProcessGroup
 
 from labkit.collectives.comm import Comm
 from labkit.ddp.compression import Compression
+from labkit.ddp.events import Event, Pending
 from labkit.parallel.layout import global_rank
-
-
-@dataclass
-class Event:
-    """One interval on the timeline, in seconds since the wrapper's ``forward`` of this step."""
-
-    kind: str  # "backward" or "allreduce"
-    name: str
-    start: float
-    end: float
 
 
 class DataParallel(nn.Module):
@@ -288,15 +280,3 @@ class DataParallel(nn.Module):
             f"world_size={self.world_size}, params={len(self.params)}, comm={self.comm.impl}"
             + extra
         )
-
-
-class Pending:
-    """A started all-reduce; :meth:`wait` blocks until the buffer holds the sum."""
-
-    def __init__(self, wait: Callable[[], Any], event: Event, now: Callable[[], float]):
-        self._wait, self.event, self._now = wait, event, now
-
-    def wait(self) -> None:
-        self._wait()
-        if self.event.end != self.event.end:  # NaN: the completion callback has not run yet
-            self.event.end = self._now()

@@ -88,21 +88,23 @@ QUESTIONS: dict[str, Question] = {
         ),
         Question(
             "S2.1",
-            "Real ResNet-50 (parameters counted by labkit), fp16 gradients, 4 GPUs on PCIe: "
-            "seconds of one ring all-reduce of the gradients (LINKS['PCIe'])?",
-            f"ring({_RESNET}[0] * 2, 4, LINKS['PCIe'].alpha, LINKS['PCIe'].beta)",
-            "2(p-1) alpha + 2(p-1)/p * D * beta with D = 2 bytes x 25.6M parameters.",
+            "Real ResNet-50 (parameters counted by labkit), AMP (autocast keeps gradients in "
+            "fp32), 4 GPUs on PCIe: seconds of one ring all-reduce of the gradients "
+            "(LINKS['PCIe'])?",
+            f"ring({_RESNET}[0] * 4, 4, LINKS['PCIe'].alpha, LINKS['PCIe'].beta)",
+            "2(p-1) alpha + 2(p-1)/p * D * beta with D = 4 bytes x 25.6M parameters (fp32: "
+            "only a compression hook sends 2).",
         ),
         Question(
             "S2.2",
             "Same on NVLink: how many times faster is the all-reduce than on PCIe?",
-            f"ring({_RESNET}[0] * 2, 4, LINKS['PCIe'].alpha, LINKS['PCIe'].beta) / "
-            f"ring({_RESNET}[0] * 2, 4, LINKS['NVLink'].alpha, LINKS['NVLink'].beta)",
-            "at 51 MB the transfer is bandwidth-bound: the ratio is close to the bandwidth ratio.",
+            f"ring({_RESNET}[0] * 4, 4, LINKS['PCIe'].alpha, LINKS['PCIe'].beta) / "
+            f"ring({_RESNET}[0] * 4, 4, LINKS['NVLink'].alpha, LINKS['NVLink'].beta)",
+            "at 102 MB the transfer is bandwidth-bound: the ratio is close to the bandwidth ratio.",
         ),
         Question(
             "S2.3",
-            "Without overlap, 64 images per GPU on 4 PCIe GPUs (predict_ddp_step, mfu 0.4): "
+            "Without overlap, 64 images per GPU on 4 PCIe GPUs (predict_ddp_step's defaults): "
             "weak-scaling efficiency t1 / t4?",
             f"weak_efficiency(predict_ddp_step(*{_RESNET}, 64, 1, LINKS['PCIe'], "
             f"overlap=False).step, "
@@ -194,9 +196,10 @@ QUESTIONS: dict[str, Question] = {
         ),
         Question(
             "S8.2",
-            "Step 100 ms of which forward+backward+optimizer 40 ms: utilisation?",
+            "Step 100 ms of which forward+backward+optimizer 40 ms: compute's share of the step?",
             "40 / 100",
-            "busy / step; the rest is data, communication or host overhead.",
+            "compute / step; the rest is data, communication or host overhead (nvidia-smi would"
+            " also count the all-reduce kernels as busy).",
         ),
         # ---- answer strategies ----------------------------------------------------------
         Question(
@@ -243,8 +246,9 @@ QUESTIONS: dict[str, Question] = {
         ),
         Question(
             "A4.1",
-            "ResNet-50 fp16 gradients in 25 MB buckets on 4 NVLink GPUs: number of buckets?",
-            f"math.ceil({_RESNET}[0] * 2 / 25e6)",
+            "ResNet-50 fp32 gradients (AMP keeps them fp32) in 25 MB buckets on 4 NVLink "
+            "GPUs: number of buckets?",
+            f"math.ceil({_RESNET}[0] * 4 / 25e6)",
             "gradient bytes / bucket bytes, rounded up.",
         ),
         Question(
@@ -416,7 +420,8 @@ QUESTIONS: dict[str, Question] = {
             "P1.2",
             "Which number does nvidia-smi's utilisation report?",
             "'time a kernel runs'",
-            "the fraction of time any kernel is active, not how much of the SMs or FLOPs it uses.",
+            "the fraction of time any kernel is active (NCCL's all-reduces included), not how"
+            " much of the SMs or FLOPs it uses: a communication-bound job reads near 100%.",
             choices=("time a kernel runs", "FLOP efficiency", "memory bandwidth"),
         ),
         Question(

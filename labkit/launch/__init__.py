@@ -35,7 +35,8 @@ Invariants the tests hold this module to:
 Under ``torchrun`` the same worker functions run unchanged through :func:`run_from_env`.
 
 Read in this order: ``config.py`` (what a launch is asked to do, its errors), ``launcher.py``
-(the caller's side), ``agent.py`` (the elastic agent), ``rank.py`` (what runs on a rank),
+(the caller's side) and ``shipping.py`` (what it sends: the pickled job, the ranks'
+environment), ``agent.py`` (the elastic agent), ``rank.py`` (what runs on a rank),
 ``report.py`` (who to blame when it fails, and where each rank was stuck), ``lifeline.py`` and
 ``runs.py`` (process life and the runs folder, shared by both). ``world.py`` and
 ``world_rank.py`` keep ranks alive across calls (:class:`World`, the ``%%ranks`` magic of

@@ -1,13 +1,12 @@
 """The caller's side of a launch: ship the job, stream output, watch the deadline, reap, report.
 
-Why past ~300 lines: the watch loop (``_Job``) and the job's life around it belong to one
-object; blame and stacks already live in ``report.py``.
+What travels to the ranks (the pickled job, their environment) is in ``shipping.py``; blame
+and stacks in ``report.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import linecache
 import os
 import queue
 import re
@@ -15,13 +14,11 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
-import cloudpickle.cloudpickle as _cp
 
 from labkit.launch.config import (
     _JOB_FILE,
@@ -29,9 +26,10 @@ from labkit.launch.config import (
     LaunchConfig,
     LaunchError,
 )
-from labkit.launch.lifeline import RUN_ID_VAR, Lifeline, _running
+from labkit.launch.lifeline import Lifeline, _running
 from labkit.launch.report import _dump_stacks, _error_records, _final_failure, _root_cause
 from labkit.launch.runs import new_run_dir, prune_old_runs, runs_root
+from labkit.launch.shipping import _dumps, _worker_env
 
 # The agent's first act, before it imports torch: start the forkserver the ranks will fork
 # from, so that its torch import runs in parallel with the agent's own.
@@ -46,42 +44,6 @@ from labkit.launch.agent import _agent_main
 sys.exit(_agent_main(sys.argv[1], int(sys.argv[2])))
 """
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
-
-
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, but functions keep their real file name (cloudpickle writes "<dynamic-code>").
-
-    With the file name, and the kernel's ``linecache`` entries shipped alongside, a rank's
-    traceback shows the notebook cell's own lines instead of anonymous frames.
-    """
-
-    def __init__(self, file: Any):
-        super().__init__(file)
-        self.filenames: set[str] = set()
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, types.CodeType) and hasattr(_cp, "_code_reduce"):
-            ctor, args = _cp._code_reduce(obj)
-            self.filenames.add(obj.co_filename)
-            return ctor, tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
-        return super().reducer_override(obj)
-
-
-def _dumps(job: dict[str, Any]) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    pickler = _Pickler(buffer)
-    pickler.dump(job)
-    # Source of code that exists only in memory (notebook cells): tracebacks need it.
-    sources = {
-        name: (len("".join(entry[2])), None, entry[2], name)
-        for name in pickler.filenames
-        if (entry := linecache.cache.get(name)) is not None
-        and len(entry) == 4
-        and not os.path.exists(name)
-    }
-    return buffer.getvalue() + cloudpickle.dumps(sources)
 
 
 def _any_alive(run: Path, ranks: set[int]) -> bool:
@@ -103,27 +65,6 @@ def _pump(stream: Any, tag: str, lines: queue.Queue[tuple[str, str]]) -> None:
     for raw in iter(stream.readline, b""):
         lines.put((tag, raw.decode(errors="replace")))
     stream.close()
-
-
-def _worker_env(cfg: LaunchConfig, run_id: str) -> dict[str, str]:
-    """The environment of a job's processes: the caller's, plus line-unbuffered output, a
-    fair share of the cores per rank, this labkit on the path, and the run id that marks
-    every process of the job (the tree kill checks it before killing a pid)."""
-    cores = os.cpu_count() or 1
-    threads = cfg.threads_per_rank or max(1, cores // cfg.world_size)
-    env = {
-        **os.environ,
-        **cfg.env,
-        RUN_ID_VAR: run_id,
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": str(threads),
-        # The agent should never see the kernel's signal bookkeeping.
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-    }
-    # Make sure the agent imports *this* labkit, even from a notebook's working directory.
-    pkg_parent = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
-    return env
 
 
 class _Job:

@@ -1,8 +1,5 @@
 """Measure collectives the way nccl-tests does (algbw, busbw), ours against torch.distributed.
 
-Why past ~300 lines: the nccl-tests definitions, the interleaved benchmark, the ping-pong
-fit and the ring snapshots share one record type.
-
 Definitions (nccl-tests, ``doc/PERFORMANCE.md``), with ``S`` the full tensor size in bytes
 (the all-reduce tensor, the reduce-scatter *input*, the all-gather *output*) and ``t`` the time:
 
@@ -17,6 +14,9 @@ torch's alternating which goes first (so neither always runs on a warmer cache o
 moment), each after a ``barrier`` so all ranks start together. The first ``warmup`` rounds are
 dropped. A round's time is the *slowest* rank's (a collective is done when its last rank is);
 a record holds the median over rounds and the min and max (``labkit.measure.timing.spread``).
+
+The one-message ping-pong (the alpha-beta fit) is in ``ping_pong.py``, the ring step by step
+(the lesson's picture) in ``ring_trace.py``; both are re-exported here.
 
 "ours" is what labkit uses where speed matters: for all-reduce, ``collectives.auto.all_reduce``
 (recursive doubling below a measured size, the tuned ring above); for reduce-scatter and
@@ -39,6 +39,8 @@ from labkit.collectives.naive import naive_all_reduce
 from labkit.collectives.ring import ring_all_reduce
 from labkit.collectives.ring_tuned import tuned_all_gather, tuned_all_reduce, tuned_reduce_scatter
 from labkit.collectives.tree import recursive_doubling_all_reduce
+from labkit.measure.ping_pong import pair_one_way, ping_pong
+from labkit.measure.ring_trace import ring_snapshots, traced_ring
 from labkit.measure.timing import spread
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "pair_one_way",
     "ping_pong",
     "ring_snapshots",
+    "traced_ring",
 ]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -256,88 +259,3 @@ def memcpy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     finally:
         torch.set_num_threads(threads)
     return nbytes / best
-
-
-# ---- one message: ping-pong between two ranks ----------------------------------------------
-
-
-def pair_one_way(
-    pair: tuple[int, int], sizes: Sequence[int], repeats: int, warmup: int
-) -> dict[int, list[float]]:
-    """Call on every rank: ranks ``pair[0]`` and ``pair[1]`` ping-pong a message of each size
-    (bytes) and return its one-way seconds (round trip / 2) per repeat, warm-up rounds dropped;
-    other ranks return ``{}``. Each phase is one ``batch_isend_irecv`` per side, the send
-    matched by the receive: NCCL-safe."""
-    rank = dist.get_rank()
-    if rank not in pair:
-        return {}
-    peer = pair[1] if rank == pair[0] else pair[0]
-    one_way: dict[int, list[float]] = {}
-    for nbytes in sizes:
-        buf = torch.zeros(nbytes // 4)
-        for i in range(warmup + repeats):
-            t0 = time.perf_counter()
-            for sending in (rank == pair[0], rank != pair[0]):  # the ping, then the reply
-                op = dist.isend if sending else dist.irecv
-                for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
-                    work.wait()
-            if i >= warmup:  # a round trip is two messages
-                one_way.setdefault(nbytes, []).append((time.perf_counter() - t0) / 2)
-    return one_way
-
-
-def ping_pong(
-    sizes: Sequence[int], repeats: int = 15, warmup: int = 3, timeout: float = 120
-) -> dict[int, list[float]]:
-    """One-way time of a message of each size (bytes) between 2 gloo ranks: every repeat's
-    seconds, warm-up rounds dropped (the first messages pay for connection set-up)."""
-    from labkit.launch import launch
-
-    return launch(
-        pair_one_way,
-        (0, 1),
-        list(sizes),
-        repeats,
-        warmup,
-        world_size=2,
-        timeout=timeout,
-        quiet=True,
-        backend="gloo",
-    )[0]
-
-
-# ---- the ring, step by step, from a real run ------------------------------------------------
-
-
-def traced_ring() -> list[tuple[str, int, int, int]]:
-    """On every rank: a readable ring all-reduce where rank r adds ``2**r``; what arrived when."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    seen: list[tuple[str, int, int, int]] = []
-    x = torch.full((p,), float(2**rank))  # a partial sum spells who is in it
-    ring_all_reduce(
-        x, trace=lambda phase, step, c, data: seen.append((phase, step, c, int(data[0].item())))
-    )
-    return seen
-
-
-def ring_snapshots(world_size: int = 4) -> list[tuple[str, list[list[int]]]]:
-    """Run a ring all-reduce on ``world_size`` ranks and return who-holds-what after each step.
-
-    Returns ``[(title, masks), ...]``: the initial state, then one entry per step of the
-    reduce-scatter and of the all-gather. ``masks[rank][chunk]`` is a bitmask of the ranks whose
-    data that rank's copy of that chunk contains, read from the values that actually arrived.
-    """
-    from labkit.launch import launch
-
-    traces = launch(traced_ring, world_size=world_size, quiet=True, timeout=120, backend="gloo")
-    p = world_size
-    masks = [[1 << r for _ in range(p)] for r in range(p)]
-    states = [("start", [row[:] for row in masks])]
-    for phase in ("reduce-scatter", "all-gather"):
-        for step in range(p - 1):
-            for rank, trace in enumerate(traces):
-                for ph, s, chunk, mask in trace:
-                    if ph == phase and s == step:
-                        masks[rank][chunk] = mask
-            states.append((f"{phase} step {step}", [row[:] for row in masks]))
-    return states

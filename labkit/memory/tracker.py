@@ -1,8 +1,5 @@
 """A live-tensor memory ledger: bytes by category, current and peak, for tensors made by aten ops.
 
-Why past ~300 lines: the dispatch mode, the storage accounting (views, ``resize_``, wrapper
-subclasses) and the CUDA variant share the ledger's bookkeeping.
-
 CPU PyTorch keeps no allocator statistics and process RSS is mostly library code, so we
 count tensors ourselves. :class:`MemoryTracker` is a ``TorchDispatchMode``: every aten op
 that runs inside it hands us its outputs, and for each output *storage* we have not seen
@@ -38,14 +35,10 @@ What it does not see (so its numbers are a lower bound, not "exact"):
   PyTorch's ``MemTracker`` it agreed to the byte, outside it over-counted FSDP2 by 27%): use
   one tracker at a time.
 
-Categories follow the ZeRO paper's ledger: ``parameters``, ``gradients``,
-``optimizer_state`` (registered by the caller), ``activations`` (the default for anything
-new) and ``temporaries`` (optimizer scratch and communication buffers; allocate them under
-``with mt.category("temporaries"):``).
-
-On CUDA, :class:`CudaMemoryTracker` keeps the same categories but reads the totals from
-the caching allocator (``torch.cuda.memory_allocated`` / ``max_memory_allocated``), which
-also sees allocations made outside Python (NCCL, cuBLAS workspaces).
+The categories, the snapshot and a tensor's storages are in ``ledger.py``. On CUDA,
+:class:`CudaMemoryTracker` keeps the same categories but reads the totals from the caching
+allocator (``torch.cuda.memory_allocated`` / ``max_memory_allocated``), which also sees
+allocations made outside Python (NCCL, cuBLAS workspaces).
 """
 
 from __future__ import annotations
@@ -54,33 +47,16 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass,
-    is_traceable_wrapper_subclass_type,
-)
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_flatten
 
+from labkit.memory.ledger import CATEGORIES, MemoryLedger, check_category, storages
+
 __all__ = ["CATEGORIES", "MemoryLedger", "MemoryTracker", "CudaMemoryTracker", "tracker_for"]
-
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
-
-
-@dataclass
-class MemoryLedger:
-    """A snapshot: totals plus per-category current and peak bytes."""
-
-    current_bytes: int
-    peak_bytes: int
-    current: dict[str, int] = field(default_factory=dict)
-    peak: dict[str, int] = field(default_factory=dict)  # each category's own maximum
-    at_peak: dict[str, int] = field(default_factory=dict)  # breakdown when the total peaked
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -95,7 +71,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __init__(self, default_category: str = "activations") -> None:
         super().__init__()
-        _check_category(default_category)
+        check_category(default_category)
         self._lock = threading.RLock()
         self._live: dict[int, tuple[int, str]] = {}  # id(storage) -> (nbytes, category)
         self._default = default_category
@@ -188,7 +164,7 @@ class MemoryTracker(TorchDispatchMode):
             return out  # shape propagation on fake tensors (DTensor's) allocates nothing
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                for st in _storages(t):
+                for st in storages(t):
                     if id(st) not in self._live:
                         self._add(st, self._default)
         return out
@@ -198,10 +174,10 @@ class MemoryTracker(TorchDispatchMode):
         self, tensors: torch.Tensor | Iterable[torch.Tensor | None], category: str
     ) -> None:
         """Put the storages of ``tensors`` in ``category`` (tracking them if they are new)."""
-        _check_category(category)
+        check_category(category)
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         for t in items:
-            for st in [] if t is None else _storages(t):
+            for st in [] if t is None else storages(t):
                 self._add(st, category)
 
     def track_module(self, module: torch.nn.Module) -> None:
@@ -218,7 +194,7 @@ class MemoryTracker(TorchDispatchMode):
     @contextmanager
     def category(self, name: str) -> Iterator[None]:
         """New allocations inside this block default to category ``name``."""
-        _check_category(name)
+        check_category(name)
         before, self._default = self._default, name
         try:
             yield
@@ -320,21 +296,3 @@ def tracker_for(device: torch.device, default_category: str = "activations") -> 
     if device.type == "cuda":
         return CudaMemoryTracker(device, default_category)
     return MemoryTracker(default_category)
-
-
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages that really hold ``t``'s bytes. A wrapper subclass (DTensor, FSDP2's
-    parameters) is an empty shell sized from the *global* shape: count its inner (local)
-    tensors instead, recursively. Meta and fake tensors hold no bytes."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-        inner = [getattr(t, name) for name in names]
-        return [st for i in inner if isinstance(i, torch.Tensor) for st in _storages(i)]
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or isinstance(t, FakeTensor):
-        return []
-    return [t.untyped_storage()]
-
-
-def _check_category(name: str) -> None:
-    if name not in CATEGORIES:
-        raise ValueError(f"unknown memory category {name!r}; expected one of {CATEGORIES}")

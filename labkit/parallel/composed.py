@@ -24,6 +24,7 @@ a skipped step over the whole world, since tp and pp ranks hold different gradie
 from __future__ import annotations
 
 import contextlib
+import time
 from functools import partial
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from labkit.collectives import Comm
 from labkit.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 from labkit.models.gpt import lm_loss
+from labkit.parallel.compose import compose
 from labkit.parallel.composed_ref import (
     ADAM,
     INIT_SCALE,
@@ -46,7 +48,6 @@ from labkit.parallel.composed_ref import (
     model_config,
     norm_name,
 )
-from labkit.parallel.compose import compose
 from labkit.parallel.layout import ParallelDegrees, build_layout, rank_grid
 from labkit.parallel.matrix import Combo, check_combo
 from labkit.parallel.threed import pipeline_hook
@@ -59,7 +60,12 @@ from labkit.zero.factory import make_optimizer
 
 __all__ = ["WRAPPERS", "check", "degrees", "train_combo", "train_combos"]
 
-WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP}
+WRAPPERS = {
+    "naive": NaiveDDP,
+    "flat": FlatDDP,
+    "bucketed": BucketedDDP,
+    "overlapped": OverlappedDDP,
+}
 BUCKET_MB = 0.004  # ~4 KB: several buckets even for the tiny GPT
 SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb-h1"}
 
@@ -92,10 +98,12 @@ def train_combos(
     caller's timeout reports every rank's stack."""
     out = []
     for i, c in enumerate(combos):
+        start = time.perf_counter()
         try:
             out.append(train_combo(c, None if wrong is None else wrong[i]))
         except Exception as exc:  # noqa: BLE001 - reported per configuration, by name
             out.append({"rank": dist.get_rank(), "error": f"{type(exc).__name__}: {exc}"})
+        out[-1]["seconds"] = time.perf_counter() - start
     return out
 
 
@@ -109,8 +117,8 @@ def _cut(model: Any, pp_group: Any, *, combo: Combo) -> Any:
 def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     """Train ``combo`` for STEPS steps on this rank. Returns ``rank``, ``losses`` (the dp mean,
     None off the last stage) and ``params`` (after each step, full size, named as the
-    reference; only on tp rank 0 of replica 0, else []). ``wrong="no_dp_sync"`` skips the
-    wrapper's gradient average: a negative control."""
+    reference; on tp rank 0 of each replica, ZeRO-3: of replica 0; else []).
+    ``wrong="no_dp_sync"`` skips the wrapper's gradient average: a negative control."""
     check(combo)
     d = degrees(combo)
     layout = build_layout(d)
@@ -125,11 +133,15 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     model = chunks[0] if combo.pp == "1" else stages  # ZeRO-3's hooks need the forward's module
     scaler = DynamicLossScaler(INIT_SCALE) if combo.precision == "fp16" else None
     trainable = [p for p in stages.parameters() if p.requires_grad]
-    ddp, opt = None, None
+    ddp: Any = None
+    opt: Any = None
     if combo.dp in WRAPPERS:
         comm = Comm(layout.dp_group, combo.comm)
-        extra = {} if combo.dp in ("naive", "flat") else {"bucket_cap_mb": BUCKET_MB}
-        ddp = WRAPPERS[combo.dp](model, group=layout.dp_group, comm=comm, **extra)
+        extra: dict[str, Any] = {}
+        if combo.dp in ("bucketed", "overlapped"):
+            extra["bucket_cap_mb"] = BUCKET_MB
+        wrapper: Any = WRAPPERS[combo.dp]
+        ddp = wrapper(model, group=layout.dp_group, comm=comm, **extra)
         a = ADAM
         opt = torch.optim.AdamW(
             trainable, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay
@@ -148,7 +160,10 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
         losses, params = [], []
         for step in range(STEPS):
             x, y = batch(combo, step)
-            xs, ys = list(x[dp_rank * m : (dp_rank + 1) * m]), list(y[dp_rank * m : (dp_rank + 1) * m])
+            xs, ys = (
+                list(x[dp_rank * m : (dp_rank + 1) * m]),
+                list(y[dp_rank * m : (dp_rank + 1) * m]),
+            )
             if ddp is not None:
                 opt.zero_grad(set_to_none=True)
             else:
@@ -157,7 +172,9 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
             if ddp is not None and wrong != "no_dp_sync":
                 ddp.finish_gradient_sync()
             if combo.tp == "2+sp":
-                _sum_sequence_parallel(stages, opt, tp_comm, sharded=combo.dp.startswith(("zero2", "zero3")))
+                _sum_sequence_parallel(
+                    stages, opt, tp_comm, sharded=combo.dp.startswith(("zero2", "zero3"))
+                )
             if emb_group is not None:
                 for c in chunks:
                     w = c.tied_weight()
@@ -171,9 +188,10 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
             losses.append(_dp_mean(loss, layout))
             params.append(_snapshot(combo, stages, model, opt, layout))
         return {"rank": dist.get_rank(), "losses": losses, "params": [p for p in params if p]}
-    finally:
-        if emb_group is not None:
-            dist.destroy_process_group(emb_group)
+    finally:  # this configuration's groups go with it (the next builds its own)
+        for g in (emb_group, layout.tp_group, layout.dp_group, layout.pp_group):
+            if g is not None and g is not dist.group.WORLD:
+                dist.destroy_process_group(g)
 
 
 def _forward_backward(
@@ -245,8 +263,9 @@ def _dp_mean(loss: float | None, layout: Any) -> float | None:
 
 
 def _snapshot(combo: Combo, stages: Any, model: Any, opt: Any, layout: Any) -> dict[str, Any]:
-    """This stage's full parameters (tp shards all-gathered), on replica 0 only (ZeRO-3: its
-    consolidated shards, a collective over dp)."""
+    """This stage's full parameters (tp shards all-gathered) on tp rank 0 of every replica, so
+    the replicas are each compared (ZeRO-3: replica 0's consolidation of the shards, a
+    collective over dp)."""
     values = {id(p): p.detach() for p in stages.parameters()}
     if combo.dp.startswith("zero3"):
         sd = opt.full_state_dict()  # every dp rank calls it; rank 0 of dp gets it
@@ -254,8 +273,6 @@ def _snapshot(combo: Combo, stages: Any, model: Any, opt: Any, layout: Any) -> d
             return {}
         named = dict(model.named_parameters())
         values.update({id(named[n]): t for n, t in sd["params"].items()})  # full shape
-    if layout.dp_rank != 0:
-        return {}
     out, t = {}, dist.get_world_size(layout.tp_group)
     for name, p in stages.named_parameters():
         x = values[id(p)]

@@ -20,9 +20,11 @@ after every step and on every loss:
   products, each rounded to 16 bits before the sum, and the dp/tp reductions add in another
   order. One 16-bit rounding moves a value by at most the unit roundoff u (bf16 2^-8, fp16
   2^-11); a gradient element passes through a few such roundings, so it may move by
-  ~k u relative, k ~ 8. With eps = 1, AdamW's update is ~lr g, so a parameter after a step may
-  differ by ~lr k u |g|, |g| <= 1 here: atol = lr 8 u = 0.5 * 8 * 2^-8 = 0.0156 (bf16),
-  0.5 * 8 * 2^-11 = 0.00195 (fp16); rtol = 8 u too. The losses: rtol 8 u.
+  ~k u relative, k = 4. With eps = 1, AdamW's update is ~lr g, so a parameter after a step may
+  differ by ~lr k u |g|, |g| <= 1 here: atol = lr 4 u = 0.5 * 4 * 2^-8 = 0.0078 (bf16),
+  0.5 * 4 * 2^-11 = 0.00098 (fp16); rtol = 4 u too, on the losses as well. Measured: the
+  largest error of a passing configuration is 0.12 of its tolerance (bf16) and 0.09 (fp16);
+  skipping the dp average is 25 (bf16) and 197 (fp16) times over it.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def reference(combo: Combo, replicas: int | None = None) -> Trace:
 def tolerance(combo: Combo) -> tuple[float, float]:
     """(atol, rtol) from the precision: see the module docstring for the arithmetic."""
     u = UNIT_ROUNDOFF[combo.precision]
-    return (2e-5, 2e-5) if u == 0.0 else (ADAM.lr * 8 * u, 8 * u)
+    return (2e-5, 2e-5) if u == 0.0 else (ADAM.lr * 4 * u, 4 * u)
 
 
 def compare(combo: Combo, per_rank: list[dict[str, Any]], ref: Trace) -> str | None:

@@ -71,7 +71,7 @@ REFUSED: list[tuple[str, Pred, str, Pred, str]] = [
         "rank (on an empty selection) or keep it out of the sharded units",
     ),
     (
-        "pp", lambda v: v == "interleaved", "accum", lambda v: v % 2 != 0,
+        "pp", lambda v: v == "interleaved", "accum", lambda v: v in (1, 3),
         "interleaved 1F1B needs the micro-batches to be a multiple of the pipeline ranks "
         "(pp=2; Megatron-LM's rule: the schedule runs rounds of p micro-batches)",
     ),

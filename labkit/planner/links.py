@@ -57,6 +57,22 @@ class GroupLink:
     def crosses_nodes(self) -> bool:
         return self.nodes > 1
 
+    @property
+    def ring_bandwidth(self) -> float:
+        """Bytes/s one flat ring of this axis gets on its slowest hop.
+
+        ``bandwidth`` is a node uplink's per-GPU share (uplink = ``bandwidth x gpus_per_node``).
+        A ring over node-ordered ranks leaves a node once, so a node's uplink carries one flow
+        per ring that touches the node: ``gpus_per_node / ranks_per_node`` rings, each with
+        ``uplink / rings = bandwidth x ranks_per_node`` (with the fewest ranks per node, an
+        upper bound on the rings sharing it). Every hop of the ring carries ``2(p-1)/p D`` in
+        all, so the crossing costs ``2(p-1)/p D / (bandwidth x ranks_per_node)``, not the
+        per-GPU share for every rank. One NIC per node: plain link sharing; one NIC per GPU:
+        NCCL's channels (several rings, each crossing on its own rail-aligned NIC) use as
+        many NICs as a node has ranks of the ring. Inside a node: ``bandwidth``.
+        """
+        return self.bandwidth * self.ranks_per_node if self.slow else self.bandwidth
+
 
 @lru_cache(maxsize=4096)
 def placement(

@@ -135,7 +135,8 @@ def predict(
     ``bubble``: "formula" ((p - 1)/v slots) or "simulated" (the pipeline simulator's replay of
     the schedule, :mod:`labkit.planner.bubble`). ``order``: the rank order (innermost axis
     first, :mod:`labkit.planner.links`). ``dp_collective``: "ring" (flat, paced by the slowest
-    link it crosses) or "hierarchical" (inside the node, then across nodes on 1/k of the bytes,
+    link it crosses, at ``GroupLink.ring_bandwidth``: a node's uplink shared by the dp rings
+    that cross it) or "hierarchical" (inside the node, then across nodes on 1/k of the bytes,
     for a dp group with k ranks per node)."""
     if dp_collective not in ("ring", "hierarchical"):
         raise ValueError(f"dp_collective={dp_collective!r}: expected 'ring' or 'hierarchical'")
@@ -199,8 +200,8 @@ def predict(
             inter=(cluster.inter_latency, 1 / cluster.inter_bandwidth),
             nics_per_node=dpl.ranks_per_node,
         )  # fmt: skip
-    else:
-        dp_time = ring_all_reduce_time(grad_bytes, d, dpl.alpha, 1 / dpl.bandwidth)
+    else:  # a flat ring: across nodes it shares an uplink only with the other dp rings
+        dp_time = ring_all_reduce_time(grad_bytes, d, dpl.alpha, 1 / dpl.ring_bandwidth)
     dp_comm = dp_factor * dp_time if d > 1 else 0.0
     time = {
         "compute": compute,

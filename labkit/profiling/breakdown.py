@@ -120,7 +120,8 @@ class Breakdown:
 
     @property
     def utilisation(self) -> float:
-        """Busy fraction of the step (what ``nvidia-smi`` calls utilisation, roughly)."""
+        """Compute's share of the step. Not nvidia-smi's utilisation: that counts any running
+        kernel, NCCL's all-reduces included (pitfall P1)."""
         return self.compute_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
