@@ -35,7 +35,7 @@ from tests.ranks import run_ranks
 
 # A seam the issue found by hand (tp on labkit's ring under overlapped DDP on the ring,
 # whose communication thread runs the ring while tp's collectives run on the main thread).
-SEEDS = [Combo(dp="overlapped", comm="ring", tp="2", accum=2)]
+SEEDS = [Combo(dp="overlapped", dp_comm="ring", tp_comm="ring", tp="2", accum=2)]
 COMBOS = covering_array(SEEDS)
 WRONG = Combo(dp="flat")  # trained with wrong="no_dp_sync": must be detected
 

@@ -124,7 +124,7 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     layout = build_layout(d)
     tpc = None
     if combo.tp != "1":
-        tpc = TPConfig(sequence_parallel=combo.tp == "2+sp", impl=combo.comm)
+        tpc = TPConfig(sequence_parallel=combo.tp == "2+sp", impl=combo.tp_comm)
     stages: Any = compose(
         build_model(combo, branch=False), layout, tensor_parallel=tpc,
         checkpoint="full" if combo.checkpoint else None, pipeline=partial(_cut, combo=combo),
@@ -136,7 +136,7 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     ddp: Any = None
     opt: Any = None
     if combo.dp in WRAPPERS:
-        comm = Comm(layout.dp_group, combo.comm)
+        comm = Comm(layout.dp_group, combo.dp_comm)
         extra: dict[str, Any] = {}
         if combo.dp in ("bucketed", "overlapped"):
             extra["bucket_cap_mb"] = BUCKET_MB
@@ -149,12 +149,12 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     else:
         stage = combo.dp.split("+")[0]
         opt = make_optimizer(
-            stage, model, ADAM, group=layout.dp_group, comm_impl=combo.comm, scaler=scaler,
+            stage, model, ADAM, group=layout.dp_group, comm_impl=combo.dp_comm, scaler=scaler,
             prefetch=combo.dp.endswith("prefetch"),
         )  # fmt: skip
     tied = combo.tied and combo.pp != "1"
     emb_group = embedding_groups(rank_grid(d)["pp"], _virtual(combo)) if tied else None
-    tp_comm = Comm(layout.tp_group, combo.comm)
+    tp_comm = Comm(layout.tp_group, combo.tp_comm)
     m, dp_rank = combo.accum, layout.dp_rank
     try:
         losses, params = [], []

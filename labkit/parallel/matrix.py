@@ -2,8 +2,8 @@
 covering array over them (pure: no processes, no torch).
 
 Each technique is proven alone elsewhere; the seams between them are proven here. Testing every
-combination would be 8 x 2 x 3 x 5 x 2 x 2 x 3 x 3 x 2 x 2 x 2 = 69,120 runs; testing every
-*pair* of values is enough to catch a defect that needs two techniques to show (the usual
+combination would be 8 x 2 x 2 x 3 x 5 x 2 x 2 x 3 x 3 x 2 x 2 x 2 = 138,240 runs; testing
+every *pair* of values is enough to catch a defect that needs two techniques to show (the usual
 kind: "tp with labkit's ring under overlapped DDP", "ZB-H1 under fp16"), and takes tens.
 
 :func:`covering_array` is the greedy AETG construction (Cohen et al. 1997), deterministic:
@@ -38,7 +38,8 @@ __all__ = [
 # Values in order of cost: the first is the cheapest (the greedy fill prefers it on a tie).
 DIMENSIONS: dict[str, tuple[object, ...]] = {
     "dp": ("naive", "flat", "bucketed", "overlapped", "zero1", "zero2", "zero3", "zero3+prefetch"),
-    "comm": ("torch", "ring"),  # the collectives of dp AND tp: torch's or labkit's ring
+    "dp_comm": ("torch", "ring"),  # the collectives of dp: torch's or labkit's ring
+    "tp_comm": ("torch", "ring"),  # the collectives of tp (no-op at tp=1)
     "tp": ("1", "2", "2+sp"),  # tensor parallel degree, "+sp": sequence parallelism
     "pp": ("1", "gpipe", "1f1b", "interleaved", "zbh1"),  # pp = 2 unless "1"
     "layers": (4, 5),  # 5: an uneven cut under pp (3 + 2; interleaved 2 + 1 + 1 + 1)
@@ -83,7 +84,8 @@ class Combo:
     """One configuration: a value for every dimension of :data:`DIMENSIONS` (dp = 2 always)."""
 
     dp: str = "naive"
-    comm: str = "torch"
+    dp_comm: str = "torch"
+    tp_comm: str = "torch"
     tp: str = "1"
     pp: str = "1"
     layers: int = 4
@@ -111,7 +113,8 @@ class Combo:
         """Every dimension, short: ``zero1 ring tp2+sp pp=1f1b L5 ckpt bf16 acc3 tied ...``."""
         flags = [n for n in ("tied", "frozen", "branch") if getattr(self, n)]
         return " ".join(
-            [self.dp, self.comm, f"tp{self.tp}", f"pp={self.pp}", f"L{self.layers}"]
+            [self.dp, f"dp:{self.dp_comm}", f"tp{self.tp}:{self.tp_comm}", f"pp={self.pp}"]
+            + [f"L{self.layers}"]
             + (["ckpt"] if self.checkpoint else [])
             + [self.precision, f"acc{self.accum}"]
             + (flags or ["plain"])
