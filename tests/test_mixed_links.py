@@ -8,7 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from labkit.collectives.cost_model import hierarchical_all_reduce_time, ring_all_reduce_time
+from labkit.collectives.cost_model import (
+    flat_ring_two_level_time,
+    hierarchical_all_reduce_time,
+    ring_all_reduce_time,
+)
 from labkit.labs.mixed_links import (
     GPT_10B,
     MiniConfig,
@@ -108,6 +112,22 @@ def test_hierarchical_dp_comm_by_hand_and_below_the_flat_ring() -> None:
     }
     with pytest.raises(ValueError, match="dp_collective='tree'"):
         predict(GPT_10B, ETH, 64, cand, dp_collective="tree")
+
+
+def test_the_planners_dp_all_reduce_is_notebook_09s_cost_model() -> None:
+    # one dp group filling 2 whole nodes of 8 (tp = pp = 1): the planner's flat ring and
+    # hierarchical all-reduce must equal cost_model's two-level formulas with one uplink per
+    # node (12.5 GB/s), the model notebook 09 prints, so the two notebooks cannot disagree
+    two = ETH.with_nodes(2)
+    cand = Candidate(dp=16, tp=1, pp=1, micro_batch=1, zero=0, recompute="selective")
+    h, v, s = GPT_10B.n_embd, GPT_10B.vocab_size, GPT_10B.block_size
+    grad = 2 * (GPT_10B.n_layer * (12 * h * h + 13 * h) + v * h + s * h)
+    intra = (two.intra_latency, 1 / two.intra_bandwidth)
+    uplink = (two.inter_latency, 1 / (two.gpus_per_node * two.inter_bandwidth))
+    for alg, model in (("ring", flat_ring_two_level_time), ("hierarchical",
+                       hierarchical_all_reduce_time)):  # fmt: skip
+        got = predict(GPT_10B, two, 64, cand, dp_collective=alg).time["dp_comm"]
+        assert got == pytest.approx(model(grad, 2, 8, intra, uplink)), alg
 
 
 @pytest.mark.parametrize("cluster", [ETH, IB], ids=["ethernet", "infiniband"])

@@ -28,7 +28,9 @@ time (one iteration)
                    ways (Megatron's scatter/gather); on the slow link once the pipeline spans nodes;
     dp comm        all-reduce (or ZeRO's reduce-scatter + all-gather; ZeRO-3 adds a gather) of
                    the stage's 16-bit gradients (2 P_stage bytes) over dp ranks, not overlapped
-                   (a conservative bound); a flat ring, or hierarchical across nodes.
+                   (a conservative bound); a flat ring (across nodes at a node uplink shared
+                   only by the dp rings crossing it, ``GroupLink.ring_bandwidth``), or
+                   hierarchical across nodes.
 Each group's link class follows from the rank order (``links.py``).
 MFU = model FLOPs (72 factor, no recompute) / (time x GPUs x peak).
 
