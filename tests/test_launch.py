@@ -353,3 +353,14 @@ def test_worker_functions_run_unchanged_under_torchrun(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, timeout=110
     )
     assert "RESULT rank=0 world=1 sum=100.0" in single.stdout, single.stderr[-2000:]
+
+
+def test_ranks_import_this_labkit_from_any_working_directory() -> None:
+    """The job's PYTHONPATH starts with the folder that holds this ``labkit/`` (not ``labkit/``
+    itself, where ``import labkit`` would find nothing), so a checkout runs without an install."""
+    from pathlib import Path
+
+    from labkit.launch.shipping import _worker_env
+
+    first = _worker_env(LaunchConfig(world_size=2), "run-id")["PYTHONPATH"].split(os.pathsep)[0]
+    assert (Path(first) / "labkit" / "__init__.py").resolve() == Path(labkit.__file__).resolve()

@@ -78,6 +78,6 @@ def _worker_env(cfg: LaunchConfig, run_id: str) -> dict[str, str]:
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     }
     # Make sure the agent imports *this* labkit, even from a notebook's working directory.
-    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    pkg_parent = str(Path(__file__).resolve().parents[2])  # the folder that holds labkit/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
     return env
