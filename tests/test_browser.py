@@ -1,8 +1,14 @@
 """The widgets in a real browser: the project's own ``./lab`` serves JupyterLab, headless
 Chromium (Debian's package, driven by Playwright) opens a notebook with both widgets, runs
 it, moves a slider of each, and checks that the displayed number becomes what
-:func:`labkit.memory.estimate.estimate` / :mod:`labkit.measure.scaling` give for the new
-setting. A screenshot is saved under ``.labkit/browser-test/``.
+:func:`labkit.memory.estimate.estimate` / :func:`labkit.viz.scaling.modeled_runs` give for
+the new setting. A screenshot is saved under ``.labkit/browser-test/``.
+
+The same notebook then draws with each idiom the lessons 06-12 use (``fig = plot(...)``,
+``plot(...);``, ``draw(...); plt.show()``, two figures in one cell), and the test counts the
+images each cell shows in the page: every drawing cell shows each of its figures exactly
+once (a negative-control cell that ends with a bare figure shows it twice, and is seen to).
+Last, a link of 14's index opens 13 scrolled to the linked section, not at the top.
 
 Needs ``playwright`` (the Python package; no browser download) and a Chromium binary
 (``apt-get install chromium``; or ``LABKIT_CHROMIUM=/path``). Without them the test skips and
@@ -41,13 +47,79 @@ CHROMIUM_FLAGS = [
 ]
 START_BATCH = 2
 SCALING_RUNS = "[ScalingRun(1, 1.0, 8, 'weak'), ScalingRun(2, 1.25, 16, 'weak')]"
-CELLS = [
+WIDGET_CELLS = [
     "from labkit.viz.memory_widget import MemoryWidget\n"
     f"MemoryWidget('gpt2-1.3b', micro_batch={START_BATCH}, capacity='80 GB')",
     "from labkit.measure.scaling import ScalingRun\n"
     "from labkit.viz.scaling import ScalingWidget\n"
     f"ScalingWidget({SCALING_RUNS}, model='gpt2-1.3b', link='InfiniBand NDR (50 GB/s)')",
 ]
+# (lesson, cell, images it must show): each lesson's drawing idioms, on small data
+FIGURE_CELLS = [
+    (
+        "setup",
+        "import matplotlib.pyplot as plt\nfrom labkit.pipeline import Costs, "
+        "make_schedule, simulate\nres = simulate(make_schedule('1f1b', 2, 4), Costs(1, 1, 1))",
+        0,
+    ),
+    (
+        "06",
+        "from labkit.viz.tp import activation_bars\n"
+        "activation_bars({'none': 100, 'TP t=2': 60}, {'none': 100.0, 'TP t=2': 61.0});",
+        1,
+    ),
+    (
+        "06",
+        "from labkit.viz.tp import comm_vs_compute\n"
+        "fig = comm_vs_compute([2, 4], {'link': [(1e-3, 2e-3), (5e-4, 3e-3)]})",
+        1,
+    ),
+    (
+        "07",
+        "from labkit.viz.pipeline import draw_timeline\n"
+        "draw_timeline(res.timeline, '1f1b p=2 m=4'); plt.show()",
+        1,
+    ),
+    (
+        "07",
+        "draw_timeline(res.timeline, 'simulated'); plt.show()\n"
+        "fig, (a, b) = plt.subplots(2, 1)\ndraw_timeline(res.timeline, 'measured', ax=a)\n"
+        "draw_timeline(res.timeline, 'at measured costs', ax=b)\nplt.show()\n"
+        "tl, sim = res.timeline, res",
+        2,
+    ),
+    (
+        "08",
+        "from labkit.parallel import ParallelDegrees\nfrom labkit.viz.layout import draw_layout\n"
+        "fig = draw_layout(ParallelDegrees(dp=2, tp=2, pp=2), gpus_per_node=4)",
+        1,
+    ),
+    (
+        "09",
+        "from labkit.viz.cluster import plot_busbw_vs_size, plot_step_breakdown\n"
+        "fig = plot_busbw_vs_size({'ring': {4096: 1e6, 32768: 5e6}})",
+        1,
+    ),
+    ("09", "fig = plot_step_breakdown({'ring': {'step': 0.05, 'exposed_comm': 0.01}})", 1),
+    (
+        "10",
+        "from labkit.viz.mixed_links import plot_miniature, plot_slow_link_scan\n"
+        "rows = [{'inter_bandwidth': b, 'tp_comm': 0.1, 'pp_comm': 0.2, 'dp_comm': 1 / b * 1e9,"
+        " 'step': 2.0} for b in (1e9, 4e9)]\nfig = plot_slow_link_scan(rows, title='scan')",
+        1,
+    ),
+    ("10", "fig = plot_miniature([{'layout': 'a', 'measured': 1.0, 'predicted': 0.8}])", 1),
+    (
+        "12",
+        "from labkit.viz.profiling import plot_scaling\n"
+        "fig = plot_scaling([1, 2], {'m': [1.0, 0.6]})",
+        1,
+    ),
+    ("control", "comm_vs_compute([2], {'l': [(1.0, 1.0)]})", 2),  # a bare figure: twice
+    ("end", "print('figures done')", 0),
+]
+CELLS = WIDGET_CELLS + [src for _, src, _ in FIGURE_CELLS]
+LINKED = "K9 Strong and weak scaling"  # far down notebook 13: the top is not it
 
 
 def _chromium() -> str | None:
@@ -154,10 +226,11 @@ def test_widgets_in_a_real_browser():
         pytest.skip(why)
     from playwright.sync_api import sync_playwright
 
-    from labkit.measure.scaling import LINKS, ScalingRun, efficiency, extrapolate
+    from labkit.measure.scaling import LINKS, ScalingRun, efficiency
     from labkit.memory.estimate import TrainSetup, estimate
     from labkit.models import preset
     from labkit.viz.memory_widget import fmt_gb
+    from labkit.viz.scaling import modeled_runs
 
     cfg = preset("gpt2-1.3b")
     t0 = time.monotonic()
@@ -206,13 +279,13 @@ def test_widgets_in_a_real_browser():
                 )
                 assert want != shown
 
-                # 2. the scaling widget: the extrapolated efficiency follows the slider
+                # 2. the scaling widget: the modeled efficiency follows the slider
                 runs = [ScalingRun(1, 1.0, 8, "weak"), ScalingRun(2, 1.25, 16, "weak")]
                 link = LINKS["InfiniBand NDR (50 GB/s)"]
 
                 def eff_at(n: int) -> str:
-                    pred = extrapolate(runs[0], cfg.num_params() * 2, link, [n])
-                    return f"{100 * efficiency(runs + pred)[n]:.1f}%"
+                    pred = modeled_runs(runs[0], cfg, link, [n])
+                    return f"{100 * efficiency(pred)[n]:.1f}%"
 
                 assert _text(page, ".labkit-scaling-eff") == eff_at(1024)
                 ranks = page.locator(".labkit-scaling-widget .widget-slider").first
@@ -226,6 +299,11 @@ def test_widgets_in_a_real_browser():
                     timeout=30_000,
                 )
                 page.screenshot(path=str(WORK / "widgets.png"), full_page=True)
+
+                # 3. every drawing idiom of the lessons shows each figure once
+                _check_figures(page)
+                # 4. 14's index opens 13 at the linked section
+                _check_index_link(page, port, token)
             except Exception:
                 page.screenshot(path=str(WORK / "failure.png"), full_page=True)
                 print(f"browser test failed; the page is in {WORK / 'failure.png'}")
@@ -240,3 +318,42 @@ def test_widgets_in_a_real_browser():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     print(f"real-browser test: {time.monotonic() - t0:.1f} s; screenshot {WORK / 'widgets.png'}")
+    print("images per lesson idiom:", SHOWN)
+
+
+SHOWN: dict[str, int] = {}  # lesson -> images counted in the page (reported by the test)
+
+
+def _check_figures(page) -> None:
+    """Each FIGURE_CELLS cell shows exactly its images (counted in the page, not the kernel)."""
+    cells = page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell")
+    last = cells.nth(len(CELLS) - 1)
+    last.locator(".jp-OutputArea-output", has_text="figures done").wait_for(timeout=120_000)
+    got = []
+    for k, (lesson, _, want) in enumerate(FIGURE_CELLS):
+        cell = cells.nth(len(WIDGET_CELLS) + k)
+        images = cell.locator(".jp-OutputArea-output img")
+        n = images.count()
+        got.append((lesson, n, want))
+        SHOWN[lesson] = SHOWN.get(lesson, 0) + n
+    assert [n for _, n, _ in got] == [w for _, _, w in got], got
+
+
+def _check_index_link(page, port: int, token: str) -> None:
+    """14's link opens 13 with the linked heading in view (not scrolled to the top)."""
+    page.goto(
+        f"http://127.0.0.1:{port}/lab/tree/notebooks/14_interview_index.ipynb?token={token}",
+        timeout=90_000,
+    )
+    link = page.locator(".jp-RenderedMarkdown a", has_text=f"13 · {LINKED}").first
+    link.wait_for(timeout=90_000)
+    _accept_kernel_dialog(page, wait_ms=1000)
+    link.click()
+    panel = page.locator(".jp-NotebookPanel:visible", has_text="13 · Interview walkthroughs")
+    heading = panel.locator("h2", has_text=LINKED).first
+    heading.wait_for(timeout=60_000)
+    page.wait_for_timeout(1500)  # the scroll to the fragment follows the render
+    box = heading.bounding_box()
+    top = panel.locator(".jp-WindowedPanel-outer, .jp-Notebook").first.bounding_box()
+    assert box is not None and top is not None
+    assert top["y"] <= box["y"] < top["y"] + top["height"], (box, top)

@@ -6,6 +6,8 @@ that one set of breakdowns.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,13 +17,15 @@ from labkit.labs.drills import (
     CUDA_ONLY,
     FAULTS,
     SIGNATURE,
+    UNEVEN_FACTOR,
     DrillConfig,
     Mystery,
     available_faults,
     evidence,
     run_drills,
 )
-from labkit.profiling.breakdown import departures, format_table, largest_departure
+from labkit.labs.drills_faults import FAULT_INFO, FAULTS_PATH, load_faults
+from labkit.profiling.breakdown import CATEGORIES, departures, format_table, largest_departure
 from tests.ranks import run_ranks
 
 # Compares measured durations: ./run-tests runs it alone, after the concurrent phase.
@@ -95,3 +99,20 @@ def test_bad_config_is_rejected_before_any_process_starts():
         run_drills([DrillConfig()], 1)
     with pytest.raises(ValueError, match="need CUDA"):
         run_drills([DrillConfig(fault="unpinned_copy")], 2, backend="gloo")
+
+
+def test_the_fault_table_is_a_data_file_with_every_field(tmp_path):
+    # the table moved out of drills.py into drills_faults.json; the code reads it
+    assert FAULTS_PATH.suffix == ".json" and load_faults() == FAULT_INFO
+    assert FAULTS[:2] == ("starved_loader", "host_sync") and CUDA_ONLY == {"unpinned_copy"}
+    for name, f in FAULT_INFO.items():
+        assert f.injected and f.fix and SIGNATURE[name] == (f.shows_up_in, f.fix), name
+        assert f.shows_up_in in (*CATEGORIES, "host syncs"), (name, f.shows_up_in)
+    assert f"{UNEVEN_FACTOR}x" in FAULT_INFO["uneven_batches"].injected  # one number, one place
+    # negative control: a fault without its fix is refused, naming it
+    raw = json.loads(FAULTS_PATH.read_text())
+    del raw["faults"][2]["fix"]
+    broken = tmp_path / "faults.json"
+    broken.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="tiny_buckets.*fix"):
+        load_faults(broken)

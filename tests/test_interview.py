@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import nbformat
 import pytest
 
 from labkit.checks.core import CheckFailed
-from labkit.checks.interview import ask, check, is_right
+from labkit.checks.interview import ask, check, feedback, is_right, quiz
 from labkit.interview.estimates import (
     LINKS,
     checkpoint_overhead,
@@ -18,12 +20,13 @@ from labkit.interview.estimates import (
     resnet50_counts,
     young_daly_interval,
 )
-from labkit.interview.quiz import QUESTIONS, expected, questions_for
+from labkit.interview.quiz import BANK_PATH, QUESTIONS, load_questions, questions_for
 from labkit.interview.topics import TOPICS_PATH, load_topics, topic_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 INDEX = ROOT / "notebooks" / "14_interview_index.ipynb"
-LINK = re.compile(r"\]\((?P<nb>[\w./-]+\.ipynb)#(?P<anchor>[\w.-]+)\)")
+# JupyterLab opens a notebook at a section by "#heading=<anchor>" (plain "#<anchor>" too)
+LINK = re.compile(r"\]\((?P<nb>[\w./-]+\.ipynb)#(?:heading=)?(?P<anchor>[\w.-]+)\)")
 
 
 def _anchor(heading: str) -> str:
@@ -77,31 +80,155 @@ def test_every_id_has_two_to_four_questions_and_answers_compute():
         qs = questions_for(tid)
         assert 2 <= len(qs) <= 4, (tid, len(qs))
         for q in qs:
-            value = expected(q)
-            if q.choices:
-                assert value in q.choices, q.qid
+            for seed in range(5):
+                value = q.draw(seed).expected
+                if q.choices:
+                    assert value in q.choices, (q.qid, seed, value)
+
+
+def test_the_bank_is_a_data_file_and_every_question_has_what_it_needs(tmp_path):
+    assert BANK_PATH.suffix == ".json" and BANK_PATH.is_relative_to(ROOT / "labkit")
+    assert load_questions() == QUESTIONS
+    for q in QUESTIONS.values():
+        assert q.prompt and q.hint and q.look and q.why, q.qid
+        d = q.draw(0)
+        assert "{" not in d.text, (q.qid, d.text)  # every placeholder is drawn
+        for expression, hint in q.mistakes:
+            d.evaluate(expression)
+            hint.format(**d.values)
+        if q.choices is None:  # a number: it comes from the drawn parameters, not a constant
+            assert q.params, f"{q.qid}: a numeric answer with nothing drawn can be copied"
+            assert any(k in q.solution for k in q.params), q.qid
+    # negative control: a question without a hint is refused, naming it
+    raw = json.loads(BANK_PATH.read_text())
+    del raw["questions"][3]["hint"]
+    broken = tmp_path / "bank.json"
+    broken.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"S2\.2.*hint"):
+        load_questions(broken)
+
+
+def test_no_question_is_a_coin_flip_unless_it_asks_why():
+    for q in QUESTIONS.values():
+        if q.choices is not None:
+            assert len(q.choices) >= 3 or "why" in q.prompt.lower(), (q.qid, q.choices)
+            assert len(set(q.choices)) == len(q.choices), q.qid
+
+
+def _wrong(d):
+    q, right = d.question, d.expected
+    if q.choices:
+        return next(c for c in q.choices if c != right)
+    return right * 1.5 + 1
 
 
 @pytest.mark.parametrize("qid", list(QUESTIONS))
 def test_check_accepts_the_right_answer_and_rejects_a_wrong_one(qid, capsys):
-    q = QUESTIONS[qid]
-    right = expected(q)
-    check(qid, right)
+    d = QUESTIONS[qid].draw(7)
+    check(d, d.expected)
     assert "PASSED" in capsys.readouterr().out
-    wrong = next(c for c in q.choices if c != right) if q.choices else right * 1.5 + 1
-    assert not is_right(qid, wrong)
-    with pytest.raises(CheckFailed, match="Why"):
-        check(qid, wrong)
+    assert not is_right(d, _wrong(d))
+    with pytest.raises(CheckFailed, match="Look at"):
+        check(d, _wrong(d))
 
 
-def test_check_explains_bad_input():
-    assert "Choose one of" in ask("S7.2")
+_NUMBER = re.compile(r"(?<![\w.§])[-+]?\d[\d_,]*\.?\d*(?:[eE][-+]?\d+)?(?![\d%]|\.\d)")
+
+
+def _leaks(message: str, d, answer) -> bool:
+    """Does ``message`` state the expected value? Numbers the learner already has (the prompt's
+    and the answer's own) do not count."""
+    want = float(d.expected)
+    known = {float(x.replace(",", "").replace("_", "")) for x in _NUMBER.findall(d.text)}
+    known.add(float(answer))
+    for tok in _NUMBER.findall(message):
+        x = float(tok.replace(",", "").replace("_", "").rstrip("."))
+        if x not in known and math.isclose(x, want, rel_tol=0.01):
+            return True
+    return False
+
+
+def test_a_wrong_answer_gets_a_hint_never_the_expected_value():
+    numeric = [q for q in QUESTIONS.values() if q.choices is None]
+    for q in numeric:
+        for seed in range(3):
+            d = q.draw(seed)
+            wrong = _wrong(d)
+            message = feedback(d, wrong)
+            assert not _leaks(message, d, wrong), (q.qid, seed, message)
+            assert "Look at" in message and ("Hint:" in message or q.mistakes), message
+    # negative control: a grader that states the answer (as this one did) is caught
+    d = QUESTIONS["S2.1"].draw(0)
+    leaky = f"S2.1: expected {d.expected:.4g} (within 2%), got 1.0. Why: ..."
+    assert _leaks(leaky, d, 1.0)
+
+
+def test_a_common_mistake_is_named():
+    d = QUESTIONS["S2.1"].draw(3)
+    fp16 = d.evaluate("ring(resnet50_counts()[0] * 2, p, LINKS[link].alpha, LINKS[link].beta)")
+    with pytest.raises(CheckFailed, match="2 bytes per gradient"):
+        check(d, fp16)
+    with pytest.raises(CheckFailed, match="too high"):
+        check(d, d.expected * 3)
+
+
+def test_a_wrong_rung_of_the_ladder_is_told_which_way():
+    q = QUESTIONS["S7.2"]
+    d = next(q.draw(s) for s in range(50) if q.draw(s).expected in ("zero1", "zero2", "zero3"))
+    with pytest.raises(CheckFailed, match="does not fit: climb higher"):
+        check(d, "ddp")
+    with pytest.raises(CheckFailed, match="take the first that fits"):
+        check(d, "model parallel")
+
+
+def test_tolerance_accepts_within_and_rejects_outside():
+    d = QUESTIONS["S2.1"].draw(0)
+    tol, want = d.question.rel_tol, d.expected
+    assert tol == 0.02
+    assert is_right(d, want * (1 + tol / 2)) and is_right(d, want * (1 - tol / 2))
+    assert not is_right(d, want * (1 + 2 * tol)) and not is_right(d, want * (1 - 2 * tol))
+    count = QUESTIONS["S8.1"].draw(0)  # whole workers: exact
+    assert count.question.rel_tol == 0 and is_right(count, count.expected)
+    assert not is_right(count, count.expected + 1)
+
+
+def test_two_seeds_draw_different_numbers_each_graded_against_its_own():
+    for q in QUESTIONS.values():
+        if not q.params:
+            continue
+        draws = [q.draw(s) for s in range(40)]
+        assert len({tuple(sorted(d.values.items())) for d in draws}) >= 2, q.qid
+        assert q.draw(5).values == q.draw(5).values  # the same seed, the same numbers
+    q = QUESTIONS["S1.1"]
+    a = q.draw(1)
+    b = next(q.draw(s) for s in range(2, 50) if q.draw(s).expected != a.expected)
+    assert a.values != b.values and a.text != b.text
+    assert is_right(a, a.expected) and is_right(b, b.expected)
+    # negative control: an answer copied from another attempt fails
+    assert not is_right(b, a.expected) and not is_right(a, b.expected)
+
+
+def test_check_explains_bad_input(capsys):
+    d = ask("S7.2", seed=0)
+    assert "Choose one of" in capsys.readouterr().out
     with pytest.raises(CheckFailed, match="not one of the choices"):
-        check("S7.2", "fsdp-ish")
-    with pytest.raises(CheckFailed):
-        check("S1.1", "a lot")
+        check(d, "fsdp-ish")
+    check(d, "abcde"[list(d.question.choices).index(d.expected)])  # a choice's letter
+    with pytest.raises(CheckFailed, match="must be a number"):
+        check(ask("S1.1", seed=0), "a lot")
+    with pytest.raises(TypeError, match="the question ask"):
+        check("S1.1", 128)
     with pytest.raises(ValueError, match="no question"):
-        check("Z9.9", 1)
+        ask("Z9.9")
+    with pytest.raises(AttributeError, match="draws"):
+        _ = d.nonsense
+
+
+def test_quiz_prints_each_question_once_and_returns_nothing(capsys):
+    # notebook 13 printed each quiz twice: the questions, then the returned list's repr
+    assert quiz("S3", seed=4) is None
+    out = capsys.readouterr().out
+    assert out.count("S3.1:") == 1 and out.count("S3.2:") == 1 and "[" not in out
 
 
 def test_estimates_match_the_published_resnet50_and_the_formulas():

@@ -24,8 +24,19 @@ from labkit.measure.scaling import (  # noqa: E402
 )
 from labkit.memory.estimate import TrainSetup, estimate  # noqa: E402
 from labkit.models import PRESETS, preset  # noqa: E402
-from labkit.viz.memory_widget import MemoryWidget, fmt_gb, memory_bars  # noqa: E402
-from labkit.viz.scaling import ScalingWidget, scaling_figure  # noqa: E402
+from labkit.viz.memory_widget import (  # noqa: E402
+    MemoryWidget,
+    fmt_gb,
+    memory_bars,
+    selective_note,
+)
+from labkit.viz.scaling import (  # noqa: E402
+    GPU_PEAK_FLOPS,
+    MODEL_MFU,
+    ScalingWidget,
+    modeled_runs,
+    scaling_figure,
+)
 
 
 def _shown_total(w: MemoryWidget) -> str:
@@ -67,6 +78,73 @@ def test_memory_widget_preset_custom_shape_and_bad_split():
     assert _shown_total(w) == fmt_gb(estimate(PRESETS["gpt2-xl"].with_(n_layer=10)).total)
     w.tp.value = 16  # 25 heads do not split 16 ways: the widget says so instead of raising
     assert "not divisible" in w.message.value and _shown_total(w) == "-"
+
+
+def test_memory_widget_error_leaves_no_stale_numbers():
+    """heads=12 with tp=8: the message says what is wrong, and the table and chart of the
+    previous setting are gone (they would read as this setting's); fixing it brings them back."""
+    w = MemoryWidget("gpt2-1.3b", micro_batch=1)
+    cleared: list[dict] = []  # the chart's Output only captures inside a kernel: watch it
+    w.plot.clear_output = lambda **kw: cleared.append(kw)  # type: ignore[method-assign]
+    assert "<table" in w.table.value
+    w.tp.value = 8
+    cleared.clear()
+    w.heads.value = 12
+    assert "cannot estimate" in w.message.value and "12" in w.message.value
+    assert w.table.value == "" and _shown_total(w) == "-"
+    assert cleared == [{}]  # cleared now, not "when the next output arrives" (wait=True)
+    w.heads.value = 16
+    assert "<table" in w.table.value and cleared[-1] == {"wait": True}  # redrawn
+    assert _shown_total(w) == fmt_gb(w.estimate().total)
+
+
+def test_memory_widget_says_why_selective_changes_nothing_under_sdpa():
+    w = MemoryWidget("gpt2-1.3b", micro_batch=1)
+    assert w.config().attention == "sdpa"
+    none_total = w.estimate().total
+    w.recompute.value = "selective"
+    assert w.estimate().total == none_total  # the fact the note explains
+    assert "SDPA" in w.message.value and "changes nothing" in w.message.value
+    w.recompute.value = "full"
+    assert "changes nothing" not in w.message.value
+    # explicit attention stores the core: selective saves, and no note claims otherwise
+    cfg = w.config().with_(attention="explicit")
+    assert selective_note(cfg, TrainSetup(recompute="selective")) == ""
+    assert estimate(cfg, TrainSetup(recompute="selective")).total < estimate(cfg).total
+
+
+def test_memory_widget_labels_are_not_cut_off():
+    w = MemoryWidget("gpt2")
+    for control in (w.capacity, w.recompute, w.micro_batch, w.custom_gb):
+        assert control.style.description_width == "initial", control.description
+
+
+def test_planner_widget_says_why_no_layout_exists():
+    from labkit.viz.planner import PlannerWidget
+
+    w = PlannerWidget(billions=100, nodes=3)  # 24 GPUs: no even split of 80 heads/layers, 512
+    assert w.preds == []
+    text = w.table.value
+    assert "0 of 0" not in text and "24 GPUs" in text and "global batch of 512" in text
+    assert "[3, 6, 12, 24]" in text  # the dp values left, none dividing 512
+    w.nodes.value = 4
+    assert w.preds and "layouts fit" in w.table.value
+    w.nodes.value, w.memory.value = 1, 16  # candidates, none fits: the smallest is named
+    assert "none fits: the smallest layout needs" in w.table.value
+
+
+def test_pipeline_timeline_has_a_legend():
+    from labkit.pipeline import Costs, make_schedule, simulate
+    from labkit.viz.pipeline import draw_timeline
+
+    for name, kinds in (
+        ("1f1b", {"F: forward", "B: backward"}),
+        ("zb-h1", {"F: forward", "B: backward (input grad)", "W: weight grad"}),
+    ):
+        res = simulate(make_schedule(name, 2, 4), Costs(1, 1, 1))
+        fig = draw_timeline(res.timeline, name)
+        labels = {t.get_text() for t in fig.axes[0].get_legend().get_texts()}
+        assert labels == kinds | {"gap: bubble (idle)"}, labels
 
 
 def test_memory_widget_measured_bars_and_figure():
@@ -120,8 +198,8 @@ def test_scaling_widget_follows_its_controls(tmp_path):
         return re.search(r'labkit-scaling-eff">([^<]*)<', w.summary.value).group(1)
 
     def want(model: str, link: str, n: int) -> str:
-        pred = extrapolate(RUNS[0], PRESETS[model].num_params() * 2, LINKS[link], [n])
-        return f"{100 * efficiency(RUNS + pred)[n]:.1f}%"
+        pred = modeled_runs(RUNS[0], PRESETS[model], LINKS[link], [n])
+        return f"{100 * efficiency(pred)[n]:.1f}%"
 
     assert shown() == want("gpt2", "NVLink 4 (450 GB/s)", 1024)
     w.link.value = "Ethernet 10 Gb/s (1.25 GB/s)"
@@ -131,6 +209,36 @@ def test_scaling_widget_follows_its_controls(tmp_path):
     assert shown() != want("gpt2", "NVLink 4 (450 GB/s)", 64)  # the control did change it
     fig = scaling_figure(RUNS, w.predicted())
     assert len(fig.axes) == 3
+    labels = {t.get_text() for t in fig.axes[2].get_legend().get_texts()}
+    assert {"measured", "modeled"} <= labels  # measured and modeled are named apart
+
+
+def test_scaling_model_scales_compute_with_the_model():
+    """The issue's case: a 536k-parameter CPU step must not be the compute of 1.3B's step.
+    The modeled 1-GPU step is 6 N T / (peak x MFU), and efficiency is modeled against it."""
+    proxy = ScalingRun(1, 0.05, 4, "weak")  # a tiny CPU proxy's 50 ms step, 4 sequences
+    cfg = PRESETS["gpt2-1.3b"]
+    link = LINKS["InfiniBand NDR (50 GB/s)"]
+    runs = modeled_runs(proxy, cfg, link, [1024])
+    one, big = runs
+    assert one.ranks == 1 and one.label == "modeled"
+    assert one.step_time == pytest.approx(
+        6 * cfg.num_params() * 4 * cfg.block_size / (GPU_PEAK_FLOPS * MODEL_MFU)
+    )
+    a, b = link
+    comm = 2 * 1023 * a + 2 * 1023 / 1024 * cfg.num_params() * 2 * b
+    assert big.step_time == pytest.approx(one.step_time + comm)
+    eff = efficiency(runs)[1024]
+    # negative control: the proxy's CPU step plus 1.3B's all-reduce (the old widget) is far off
+    old = efficiency([proxy] + extrapolate(proxy, cfg.num_params() * 2, link, [1024]))[1024]
+    assert old < 0.35 < 0.7 < eff
+    w = ScalingWidget([proxy, ScalingRun(2, 0.11, 8, "weak")], model="gpt2-1.3b")
+    assert f"{100 * eff:.1f}%" in w.summary.value and f"{100 * old:.1f}%" not in w.summary.value
+    assert "measured" in w.summary.value and "modeled" in w.summary.value
+    with pytest.raises(ValueError, match="1-rank"):
+        modeled_runs(ScalingRun(2, 0.1, 8, "weak"), cfg, link)
+    with pytest.raises(ValueError, match="mfu"):
+        modeled_runs(proxy, cfg, link, mfu=1.5)
 
 
 def test_progress_prints_whole_lines_on_rank0_only(capsys):

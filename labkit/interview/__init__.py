@@ -5,5 +5,8 @@
 * ``topics.py``     its parser.
 * ``estimates.py``  the back-of-envelope numbers an answer needs, as plain functions built on
                     labkit's models (memory, alpha-beta, ResNet/GPT counts, Young/Daly).
-* ``quiz.py``       2-4 questions per id; every expected answer is computed by labkit code.
+* ``questions.json`` the question bank: 2-4 questions per id, each a prompt over drawn
+                    parameters, the labkit expression that answers it, a hint and a pointer.
+* ``quiz.py``       loads the bank and draws an attempt; every expected answer is computed by
+                    labkit code on the drawn numbers (``labkit.checks.interview`` grades).
 """

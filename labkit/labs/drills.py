@@ -1,33 +1,13 @@
 """Diagnosis drills: a small data-parallel MNIST run with one injected fault, profiled per rank.
 
-Why this module is long: the whole drill stays in one place (the faults, the run that
-injects one, the evidence each fault leaves, the command line), so the mystery reads in one go;
-the fault definitions are most of it.
-
 The learner gets a run whose fault is hidden, reads its step breakdown
 (:mod:`labkit.profiling.breakdown`) against a clean run, names the fault, then applies the fix
-and measures before against after. Every fault is one a real job meets:
-
-=====================  =====================================================  ==============
-fault                  what is injected                                        shows up in
-=====================  =====================================================  ==============
-starved_loader         an expensive per-sample transform (elastic distortion,  data
-                       Simard et al. 2003) in ``__getitem__``, num_workers=0
-host_sync              ``loss.item()`` every step (logging)                    host syncs/step
-tiny_buckets           gradients all-reduced in 16 KB messages: hundreds of     comm, all-reduces
-                       latency-bound collectives instead of one
-straggler              the last rank is slower (a throttled or shared GPU):    comm on the others
-                       it sleeps inside its forward and backward
-uneven_batches         the last rank gets 6x the samples (a bad shard)         comm, samples
-unpinned_copy (CUDA)   pageable host memory and a blocking ``.to(device)``     h2d
-checkpoint_every_step  a full sharded checkpoint saved after every step        other
-=====================  =====================================================  ==============
-
-``host_sync`` costs microseconds on a CPU: every operator already ran to completion when
-``.item()`` asks for the value, so there is no queue to drain. On CUDA the host must wait for
-every queued kernel, so the CPU can no longer run ahead to launch the next ones; the stall is
-as long as the GPU's backlog. The count of ``aten::_local_scalar_dense`` per step is the
-evidence on either device.
+and measures before against after. Every fault is one a real job meets; the table of
+faults (what is injected, where it shows up, the fix) is data, ``drills_faults.json``, read by
+:mod:`labkit.labs.drills_faults` (``FAULTS``, ``CUDA_ONLY``, ``SIGNATURE``). The elastic
+distortion of ``starved_loader`` is :mod:`labkit.labs.drills_distort`; the number that names
+each fault, :func:`labkit.labs.drills_evidence.evidence`. A fault's ``note`` in the data says what
+its device changes (``host_sync`` costs microseconds on a CPU, a stall on CUDA).
 
 Gradients are averaged by a flat buffer all-reduced in chunks of ``bucket_kb`` after backward
 (no overlap), so all communication is exposed and lands in ``comm``.
@@ -51,6 +31,9 @@ from torch.utils.data import DataLoader, Dataset
 from labkit.checkpoint.sharded import save_checkpoint
 from labkit.data.mnist import MNIST
 from labkit.data.sampler import shard_indices
+from labkit.labs.drills_distort import Distorted
+from labkit.labs.drills_evidence import Mystery, _ms, evidence
+from labkit.labs.drills_faults import CUDA_ONLY, FAULTS, SIGNATURE
 from labkit.launch import launch, local_device, seed_everything
 from labkit.models.mlp import MLP
 from labkit.profiling.breakdown import (
@@ -73,34 +56,9 @@ __all__ = [
     "Mystery",
     "mystery_run",
     "before_after",
+    "Distorted",
 ]
 
-FAULTS = (
-    "starved_loader",
-    "host_sync",
-    "tiny_buckets",
-    "straggler",
-    "uneven_batches",
-    "unpinned_copy",
-    "checkpoint_every_step",
-)
-CUDA_ONLY = frozenset({"unpinned_copy"})
-# fault -> (the breakdown category that grows the most, or the count that tells, and the fix)
-SIGNATURE: dict[str, tuple[str, str]] = {
-    "starved_loader": (
-        "data",
-        "move the transform off the critical path: loader workers (or a batched transform)",
-    ),
-    "host_sync": ("host syncs", "log a detached running sum; call .item() every N steps"),
-    "tiny_buckets": ("comm", "fuse gradients into large buckets (torch DDP: 25 MB)"),
-    "straggler": (
-        "comm",
-        "find the slow rank (its compute per sample) and replace or rebalance it",
-    ),
-    "uneven_batches": ("comm", "shard the data evenly (DistributedSampler)"),
-    "unpinned_copy": ("h2d", "pin_memory=True and .to(device, non_blocking=True)"),
-    "checkpoint_every_step": ("other", "checkpoint at the Young/Daly interval, asynchronously"),
-}
 UNEVEN_FACTOR = 6
 
 
@@ -142,36 +100,6 @@ class DrillConfig:
     def active(self, fault: str) -> bool:
         """Is ``fault`` injected and not fixed in this run?"""
         return self.fault == fault and not self.fixed
-
-
-def _gaussian_kernel(size: int, sigma: float) -> torch.Tensor:
-    x = torch.arange(size, dtype=torch.float32) - size // 2
-    k = torch.exp(-(x**2) / (2 * sigma**2))
-    k = k / k.sum()
-    return (k[:, None] * k[None, :])[None, None]  # (1, 1, size, size)
-
-
-class Distorted(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Digits with an elastic distortion per sample: a random displacement field smoothed by a
-    Gaussian, then resampled (Simard et al. 2003). Deliberately per-sample and unbatched."""
-
-    def __init__(self, base: Dataset, kernel: int, alpha: float = 0.3, seed: int = 0):
-        self.base, self.alpha, self.seed = base, alpha, seed
-        self.kernel = _gaussian_kernel(kernel, sigma=kernel / 3)
-        ys, xs = torch.meshgrid(torch.linspace(-1, 1, 28), torch.linspace(-1, 1, 28), indexing="ij")
-        self.grid = torch.stack([xs, ys], -1)[None]  # (1, 28, 28, 2), x then y as grid_sample wants
-
-    def __len__(self) -> int:
-        return len(self.base)  # type: ignore[arg-type]
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        img, label = self.base[i]  # (1, 28, 28)
-        g = torch.Generator().manual_seed(self.seed * 100_003 + i)
-        field = torch.rand(2, 1, 28, 28, generator=g) * 2 - 1  # (2 displacement maps, 1, 28, 28)
-        pad = self.kernel.shape[-1] // 2
-        field = F.conv2d(field, self.kernel, padding=pad).view(1, 2, 28, 28) * self.alpha
-        grid = self.grid + field.permute(0, 2, 3, 1)  # (1, 28, 28, 2)
-        return F.grid_sample(img[None], grid, align_corners=False)[0], label
 
 
 def _loader(cfg: DrillConfig, data: Dataset, rank: int, world_size: int, cuda: bool) -> DataLoader:
@@ -299,81 +227,6 @@ def run_drills(
 
 def with_fault(cfg: DrillConfig, fault: str | None, fixed: bool = False) -> DrillConfig:
     return replace(cfg, fault=fault, fixed=fixed)
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.1f} ms"
-
-
-def evidence(fault: str, faulty: Sequence[Breakdown], clean: Sequence[Breakdown]) -> str:
-    """The number in the breakdown that names ``fault``, read from the two runs."""
-    if fault not in FAULTS:
-        raise ValueError(f"unknown fault {fault!r}; expected one of {FAULTS}")
-
-    def worst(c: str, bs: Sequence[Breakdown]) -> Breakdown:
-        return max(bs, key=lambda b: b.seconds[c])
-
-    compute = [b.seconds["forward"] + b.seconds["backward"] for b in faulty]
-    slow = max(range(len(faulty)), key=lambda r: compute[r] / max(faulty[r].samples, 1))
-    if fault in ("starved_loader", "unpinned_copy", "checkpoint_every_step"):
-        c = SIGNATURE[fault][0]
-        b = worst(c, faulty)
-        base = _ms(worst(c, clean).seconds[c])
-        return f"'{c}' was {_ms(b.seconds[c])} per step on rank {b.rank} against {base} clean"
-    if fault == "host_sync":
-        n, n0 = faulty[0].counts["host syncs"], clean[0].counts["host syncs"]
-        return f"'host syncs' per step was {n:g} against {n0:g} clean (aten::_local_scalar_dense)"
-    if fault == "tiny_buckets":
-        b = worst("comm", faulty)
-        return (
-            f"'all-reduces' per step was {b.counts['all-reduces']:g} against "
-            f"{clean[0].counts['all-reduces']:g} clean, and 'comm' {_ms(b.seconds['comm'])} "
-            f"against {_ms(worst('comm', clean).seconds['comm'])}"
-        )
-    if fault == "uneven_batches":  # the rank with the most work, not the slowest per sample
-        slow = max(range(len(faulty)), key=lambda r: compute[r])
-    others = [b for b in faulty if b.rank != faulty[slow].rank]
-    wait = max(b.seconds["comm"] for b in others)
-    if fault == "straggler":
-        return (
-            f"every rank had {faulty[0].samples} samples, yet rank {slow}'s forward+backward "
-            f"took {_ms(compute[slow])} against {_ms(min(compute))}, while the others waited "
-            f"in 'comm' {_ms(wait)}"
-        )
-    return (  # uneven_batches
-        f"'samples' per rank were {[b.samples for b in faulty]}: rank {slow} computed "
-        f"{_ms(compute[slow])} while the others waited in 'comm' {_ms(wait)}"
-    )
-
-
-class Mystery:
-    """A run with one hidden fault, the clean run to compare it with, and the fixed run.
-
-    ``breakdowns``, ``clean`` and (after a diagnosis) ``after``: one :class:`Breakdown` per
-    rank. :func:`labkit.checks.drills.check_diagnosis` compares a guess with the hidden fault.
-    """
-
-    def __init__(
-        self,
-        faulty: list[Breakdown],
-        clean: list[Breakdown],
-        fault: str,
-        cfg: DrillConfig,
-        fixed: list[Breakdown] | None = None,
-    ):
-        self.breakdowns, self.clean, self.cfg = faulty, clean, cfg
-        self._fault, self._fixed = fault, fixed
-
-    def __repr__(self) -> str:
-        return f"Mystery(world_size={len(self.breakdowns)}, fault=<hidden>)"
-
-    def reveal(self) -> str:
-        return self._fault
-
-    @property
-    def after(self) -> list[Breakdown] | None:
-        """The same run with the fault's fix applied (measured in the same launch)."""
-        return self._fixed
 
 
 def mystery_run(

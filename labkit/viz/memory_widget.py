@@ -8,6 +8,7 @@ next to predicted.
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 import ipywidgets as W
@@ -19,7 +20,10 @@ from labkit.memory.estimate import CATEGORIES, GB, PRECISIONS, MemoryEstimate, T
 from labkit.memory.model import RECOMPUTE, STAGES
 from labkit.models.gpt import PRESETS, GPTConfig
 
-__all__ = ["CAPACITIES", "COLORS", "MemoryWidget", "fmt_gb", "memory_bars", "verdict"]
+__all__ = [
+    *("CAPACITIES", "COLORS", "MemoryWidget", "fmt_gb", "memory_bars", "selective_note"),
+    "verdict",
+]
 
 CAPACITIES = {"24 GB": 24e9, "40 GB": 40e9, "80 GB": 80e9, "141 GB": 141e9, "custom": None}
 COLORS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c")))
@@ -80,9 +84,27 @@ def memory_bars(
     return fig
 
 
+WIDE = {"description_width": "initial"}  # the whole label, never "GPU mem..."
+
+
 def _int(desc: str, value: int, lo: int = 1, hi: int = 1 << 20) -> W.BoundedIntText:
     return W.BoundedIntText(
         value=value, min=lo, max=hi, description=desc, layout=W.Layout(width="170px")
+    )
+
+
+def selective_note(cfg: GPTConfig, setup: TrainSetup) -> str:
+    """Why "selective" recompute saves nothing here, or "" when it does save.
+
+    Selective recompute (Korthikanti et al.) drops only the ``5 a s^2 b`` attention core
+    (scores, softmax, dropout mask). SDPA's fused kernels never store that core, so under
+    ``attention="sdpa"`` the estimate is the same with or without "selective"."""
+    if setup.recompute != "selective" or cfg.attention != "sdpa":
+        return ""
+    return (
+        "selective recompute changes nothing here: it drops only the attention core "
+        "(scores, softmax, mask: 5as<sup>2</sup>b bytes), and SDPA's fused attention never stores "
+        "that core in the first place. Choose <i>full</i> to recompute whole blocks."
     )
 
 
@@ -110,7 +132,7 @@ class MemoryWidget:
         self.heads, self.vocab = _int("heads", cfg.n_head), _int("vocab", cfg.vocab_size)
         self.seq = _int("sequence", s.seq or cfg.block_size)
         self.micro_batch = W.IntSlider(
-            value=s.micro_batch, min=1, max=64, description="micro-batch"
+            value=s.micro_batch, min=1, max=64, description="micro-batch", style=WIDE
         )
         self.dp = W.Dropdown(
             options=DEGREES, value=s.dp, description="dp", layout=W.Layout(width="150px")
@@ -126,15 +148,15 @@ class MemoryWidget:
             options=list(PRECISIONS), value=s.precision, description="precision"
         )
         self.recompute = W.ToggleButtons(
-            options=list(RECOMPUTE), value=s.recompute, description="recompute"
+            options=list(RECOMPUTE), value=s.recompute, description="recompute", style=WIDE
         )
         self.sp = W.Checkbox(value=s.sp, description="sequence parallel")
         self.offload = W.Checkbox(value=s.offload_optimizer, description="optimizer on CPU")
         self.capacity = W.Dropdown(
-            options=list(CAPACITIES), value=capacity, description="GPU memory"
+            options=list(CAPACITIES), value=capacity, description="GPU memory", style=WIDE
         )
         self.custom_gb = W.FloatText(
-            value=48.0, description="custom GB", layout=W.Layout(width="170px")
+            value=48.0, description="custom GB", layout=W.Layout(width="170px"), style=WIDE
         )
         self.total = W.HTML()
         self.message = W.HTML()
@@ -142,23 +164,9 @@ class MemoryWidget:
         self.plot = W.Output()
         self._syncing = False
         controls = [
-            self.preset,
-            self.layers,
-            self.hidden,
-            self.heads,
-            self.vocab,
-            self.seq,
-            self.micro_batch,
-            self.dp,
-            self.tp,
-            self.pp,
-            self.zero,
-            self.precision,
-            self.recompute,
-            self.sp,
-            self.offload,
-            self.capacity,
-            self.custom_gb,
+            *(self.preset, self.layers, self.hidden, self.heads, self.vocab, self.seq),
+            *(self.micro_batch, self.dp, self.tp, self.pp, self.zero, self.precision),
+            *(self.recompute, self.sp, self.offload, self.capacity, self.custom_gb),
         ]
         for c in controls:
             c.observe(self._changed, names="value")
@@ -241,8 +249,16 @@ class MemoryWidget:
         try:
             est = self.estimate()
         except ValueError as e:  # e.g. tp does not divide the heads: say so, keep the controls
+            # and clear the table and chart: numbers of the previous setting would read as
+            # this one's
             self.total.value = '<b>total per GPU: <span class="labkit-mem-total">-</span></b>'
-            self.message.value = f'<span style="color:#c44e52">{e}</span>'
+            self.message.value = (
+                f'<span class="labkit-mem-error" style="color:#c44e52">cannot estimate this '
+                f"setting: {html.escape(str(e))}. Change it and the table and chart return."
+                "</span>"
+            )
+            self.table.value = ""
+            self.plot.clear_output()
             return
         cap = self.capacity_bytes()
         self.total.value = (
@@ -254,7 +270,10 @@ class MemoryWidget:
             if est.host_bytes
             else ""
         )
-        self.message.value = f'<span style="color:{color}">{verdict(est, cap)}</span>{host}'
+        note = selective_note(self.config(), self.setup())
+        self.message.value = f'<span style="color:{color}">{verdict(est, cap)}</span>{host}' + (
+            f'<br><span class="labkit-mem-note">{note}</span>' if note else ""
+        )
         rows = "".join(
             f"<tr><td>{c.replace('_', ' ')}</td><td style='text-align:right'>{fmt_gb(v)}</td></tr>"
             for c, v in est.by_category().items()

@@ -11,11 +11,28 @@ __all__ = ["draw_timeline", "schedule_widget"]
 COLORS = {"F": "#4c78a8", "B": "#59a14f", "W": "#b07aa1"}
 
 
+LABELS = {"F": "F: forward", "B": "B: backward (input grad)", "W": "W: weight grad"}
+
+
+def _legend(ax: Any, kinds: set[str]) -> None:
+    """A legend for the kinds drawn, outside the bars (right of the axes) so it hides none.
+
+    A schedule without W actions (B there is the full backward) gets ``B: backward``."""
+    from matplotlib.patches import Patch
+
+    labels = dict(LABELS, B="B: backward" if "W" not in kinds else LABELS["B"])
+    handles = [Patch(color=COLORS[k], label=labels[k]) for k in ("F", "B", "W") if k in kinds]
+    handles.append(Patch(facecolor="white", edgecolor="grey", label="gap: bubble (idle)"))
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False
+    )
+
+
 def draw_timeline(
     timeline: list[TimedAction], title: str = "", ax: Any = None, unit: str = ""
 ) -> Any:
     """One row per rank, one bar per compute action (F blue, B green, W purple), micro-batch
-    number inside; gaps are the bubble. Returns the figure."""
+    number inside; gaps are the bubble; a legend names the colours. Returns the figure."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -43,6 +60,7 @@ def draw_timeline(
             color="white",
             fontsize=7,
         )
+    _legend(ax, {t.action.kind for t in timeline if t.action.is_compute})
     ax.set_yticks(sorted({t.rank for t in timeline}))
     ax.set_yticklabels([f"rank {r}" for r in sorted({t.rank for t in timeline})])
     ax.invert_yaxis()

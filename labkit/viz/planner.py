@@ -11,7 +11,10 @@ from dataclasses import replace
 from labkit.models.gpt import GPTConfig
 from labkit.planner import CLUSTERS, Cluster, Prediction, plan
 
-__all__ = ["MODEL_SHAPES", "PlannerWidget", "format_plan", "gpt_of_size", "plan_3d"]
+__all__ = [
+    *("MODEL_SHAPES", "PlannerWidget", "format_plan", "gpt_of_size", "no_layout_reason"),
+    "plan_3d",
+]
 
 # GPT shapes by size (billions of parameters): (layers, hidden, heads); Megatron's Table 1
 # shapes, and a 100B one (80 layers of 10,240: 12 l h^2 = 100.7B)
@@ -65,7 +68,35 @@ def format_plan(preds: list[Prediction], top: int = 8, memory_gb: float | None =
     lines.append(
         f"{fits} of {len(preds)} layouts fit{cap}; * = the planner's choice, x = does not fit"
     )
+    if preds and not fits:
+        least = min(r.memory_total for r in preds)
+        lines.append(
+            f"none fits: the smallest layout needs {least / 1e9:.1f} GB per GPU{cap and ','}"
+            f"{cap.replace(' of', '') and ' over the' + cap.replace(' of', '')}"
+            "; add GPUs or memory per GPU"
+        )
     return "\n".join(lines)
+
+
+def no_layout_reason(cfg: GPTConfig, cluster: Cluster, global_batch: int) -> str:
+    """Why the planner has no candidate at all: which split of the GPUs fails which rule.
+
+    A layout needs dp x tp x pp = GPUs, tp dividing the heads and the hidden size, pp
+    dividing the layers, and dp (times a micro-batch of at least 1) dividing the global
+    batch (:func:`labkit.planner.plan.enumerate_candidates`). Names the values that remain
+    at each rule, so "0 of 0 layouts" always comes with its reason."""
+    n = cluster.world_size
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    tps = [t for t in divisors if cfg.n_head % t == 0 and cfg.n_embd % t == 0]
+    pps = [p for p in divisors if p <= cfg.n_layer and cfg.n_layer % p == 0]
+    dps = sorted({n // (t * p) for t in tps for p in pps if n % (t * p) == 0})
+    return (
+        f"no layout splits {n} GPUs ({cluster.nodes} nodes x {cluster.gpus_per_node}) evenly: "
+        f"tp must divide the {cfg.n_head} heads and hidden {cfg.n_embd} (tp in {tps}), pp "
+        f"the {cfg.n_layer} layers (pp in {pps}), so dp = {n} / (tp pp) is one of {dps}, "
+        f"and none of those divides the global batch of {global_batch} sequences. "
+        "Choose a GPU count whose factors the model and batch share (e.g. a power of 2)."
+    )
 
 
 class PlannerWidget:
@@ -107,11 +138,15 @@ class PlannerWidget:
 
         cluster = self.cluster()
         try:
-            self.preds = plan_3d(gpt_of_size(self.size.value), cluster, self.global_batch)
+            cfg = gpt_of_size(self.size.value)
+            self.preds = plan_3d(cfg, cluster, self.global_batch)
             text = format_plan(self.preds, memory_gb=cluster.memory_bytes / 1e9)
+            if not self.preds:
+                text = no_layout_reason(cfg, cluster, self.global_batch)
         except ValueError as e:  # e.g. a world size no layout divides
             self.preds, text = [], f"no plan: {e}"
-        self.table.value = f"<pre>{html.escape(text)}</pre>"
+        # pre-wrap: a long reason wraps at the widget's edge instead of running off it
+        self.table.value = f'<pre style="white-space:pre-wrap">{html.escape(text)}</pre>'
         return self.preds
 
     def _ipython_display_(self) -> None:

@@ -1,9 +1,14 @@
 """Scaling curves: speed-up, efficiency and throughput against ranks, measured and
-extrapolated with the alpha-beta model (:mod:`labkit.measure.scaling`).
+modeled with the alpha-beta model (:mod:`labkit.measure.scaling`).
 
 :func:`scaling_figure` draws a list of :class:`~labkit.measure.scaling.ScalingRun` records;
-:class:`ScalingWidget` adds controls for the link and the model size of the extrapolation.
-Every number shown comes from :mod:`labkit.measure.scaling` (the tests compare).
+:class:`ScalingWidget` adds controls for the link and the model size of the model.
+
+Measured and modeled stay apart: the measured runs are a small CPU proxy on this machine,
+and a model's step on GPUs is not that proxy's step. :func:`modeled_runs` therefore scales
+the compute with the model (``6 N`` FLOPs per token at a stated peak and MFU) before adding
+the model's own gradient all-reduce; each series is measured against its own 1-rank step.
+Every number shown comes from these functions (the tests compare).
 """
 
 from __future__ import annotations
@@ -15,31 +20,76 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 from matplotlib.figure import Figure
 
+from labkit.collectives.cost_model import AlphaBeta
 from labkit.measure.scaling import LINKS, ScalingRun, efficiency, extrapolate, speedup
-from labkit.models.gpt import PRESETS
+from labkit.models.gpt import PRESETS, GPTConfig
 
-__all__ = ["ScalingWidget", "scaling_figure"]
+__all__ = ["GPU_PEAK_FLOPS", "MODEL_MFU", "ScalingWidget", "modeled_runs", "scaling_figure"]
+
+GPU_PEAK_FLOPS = 312e12  # stated: A100 bf16 dense peak, FLOP/s (data sheet)
+MODEL_MFU = 0.4  # stated: a well-tuned data-parallel step's model FLOPs utilisation
+RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def modeled_runs(
+    proxy: ScalingRun,
+    cfg: GPTConfig,
+    link: AlphaBeta,
+    ranks: Sequence[int] = RANKS,
+    *,
+    peak_flops: float = GPU_PEAK_FLOPS,
+    mfu: float = MODEL_MFU,
+    grad_bytes_per_param: int = 2,
+) -> list[ScalingRun]:
+    """``cfg``'s data-parallel step on 1 and ``ranks`` GPUs, batch as in the measured ``proxy``.
+
+    One GPU's step: ``6 N T / (peak x MFU)`` seconds, ``N`` = parameters, ``T`` = tokens
+    per GPU per step = ``proxy.global_batch`` sequences x ``cfg.block_size`` (weak: per
+    GPU; strong: the whole batch, split by :func:`extrapolate`). Then
+    :func:`~labkit.measure.scaling.extrapolate` adds a ring all-reduce of ``N x
+    grad_bytes_per_param`` bytes. The first run returned is that 1-GPU step (label
+    "modeled"), so efficiency is modeled against modeled, never against the CPU proxy."""
+    if proxy.ranks != 1:
+        raise ValueError(f"model from the 1-rank run, got ranks={proxy.ranks}")
+    if not (0 < mfu <= 1) or peak_flops <= 0:
+        raise ValueError(f"need 0 < mfu <= 1 and peak_flops > 0, got {mfu=}, {peak_flops=}")
+    n_params = cfg.num_params()
+    compute = 6 * n_params * proxy.global_batch * cfg.block_size / (peak_flops * mfu)
+    one = ScalingRun(1, compute, proxy.global_batch, proxy.mode, "modeled")
+    return [one] + extrapolate(one, n_params * grad_bytes_per_param, link, ranks)
 
 
 def scaling_figure(
     runs: Sequence[ScalingRun], predicted: Sequence[ScalingRun] = (), title: str = ""
 ) -> Figure:
     """Three panels: speed-up, efficiency % and throughput (samples/s) against ranks, each
-    with the ideal line; ``predicted`` runs (e.g. :func:`extrapolate`) dashed, log axes."""
+    with the ideal line; ``predicted`` runs dashed, log axes.
+
+    ``predicted`` with its own 1-rank run (:func:`modeled_runs`) is its own series: its
+    speed-up and efficiency are against that run, and its throughput on the right axis
+    panel is its own (labelled "modeled"). Without one (:func:`extrapolate` from a measured
+    run) it continues the measured series, labelled "alpha-beta"."""
     both = list(runs) + list(predicted)
     base = [r for r in runs if r.ranks == 1]
-    sp, eff = speedup(both), efficiency(both)
+    own = any(r.ranks == 1 for r in predicted)
+    sp, eff = speedup(runs if own else both), efficiency(runs if own else both)
+    if own:
+        psp, peff = speedup(predicted), efficiency(predicted)
+    else:
+        psp, peff = sp, eff
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
-    ranks = sorted(sp)
-    for ax, ys, name in (
-        (axes[0], sp, "speed-up"),
-        (axes[1], {n: 100 * e for n, e in eff.items()}, "efficiency %"),
-    ):
+    ranks = sorted(set(sp) | set(psp))
+    pname = "modeled" if own else "alpha-beta"
+    for ax, ys, pys, name in (
+        (axes[0], sp, psp, "speed-up"),
+        (axes[1], {n: 100 * e for n, e in eff.items()}, {n: 100 * e for n, e in peff.items()},
+         "efficiency %"),
+    ):  # fmt: skip
         meas = [r.ranks for r in runs]
         ax.plot(meas, [ys[n] for n in meas], "o-", label="measured")
         if predicted:
-            pr = [1] + [r.ranks for r in predicted]
-            ax.plot(pr, [ys[n] for n in pr], "s--", label="alpha-beta")
+            pr = sorted({1} | {r.ranks for r in predicted})
+            ax.plot(pr, [pys[n] for n in pr], "s--", label=pname)
         ideal = [float(n) for n in ranks] if name == "speed-up" else [100.0] * len(ranks)
         ax.plot(ranks, ideal, ":", color="gray", label="ideal")
         ax.set_xlabel("ranks")
@@ -51,12 +101,14 @@ def scaling_figure(
             [r.ranks for r in predicted],
             [r.throughput for r in predicted],
             "s--",
-            label="alpha-beta",
+            label=pname,
         )
-    if base:  # ideal: N times the 1-rank throughput, in both modes
+    ideal_base = [r for r in predicted if r.ranks == 1] if own else base
+    if ideal_base:  # ideal: N times the 1-rank throughput (the modeled one's, if any)
         axes[2].plot(
-            ranks, [base[0].throughput * n for n in ranks], ":", color="gray", label="ideal"
-        )
+            ranks, [ideal_base[0].throughput * n for n in ranks], ":", color="gray",
+            label="ideal",
+        )  # fmt: skip
     axes[2].set_title("throughput (samples/s)")
     axes[2].set_xlabel("ranks")
     if max(thr) > 8:
@@ -71,8 +123,9 @@ def scaling_figure(
 
 
 class ScalingWidget:
-    """Measured runs plus the alpha-beta extrapolation to 8..1,024 GPUs for a chosen link
-    and model size (gradient bytes = parameters x ``grad_bytes_per_param``)."""
+    """Measured runs, and apart from them the chosen model's modeled step
+    (:func:`modeled_runs`: compute ``6 N T`` at ``mfu`` of ``peak_flops``, plus the ring
+    all-reduce of ``N x grad_bytes_per_param`` bytes) on 8..1,024 GPUs over a chosen link."""
 
     def __init__(
         self,
@@ -80,11 +133,14 @@ class ScalingWidget:
         model: str = "gpt2",
         link: str = "InfiniBand NDR (50 GB/s)",
         grad_bytes_per_param: int = 2,
+        peak_flops: float = GPU_PEAK_FLOPS,
+        mfu: float = MODEL_MFU,
     ) -> None:
         if not any(r.ranks == 1 for r in runs):
             raise ValueError("ScalingWidget needs a measured 1-rank run as its baseline")
         self.runs = list(runs)
         self.grad_bytes_per_param = grad_bytes_per_param
+        self.peak_flops, self.mfu = peak_flops, mfu
         self.link = W.Dropdown(options=list(LINKS), value=link, description="link")
         self.model = W.Dropdown(options=list(PRESETS), value=model, description="model size")
         self.max_ranks = W.SelectionSlider(
@@ -104,27 +160,38 @@ class ScalingWidget:
         return PRESETS[self.model.value].num_params() * self.grad_bytes_per_param
 
     def predicted(self) -> list[ScalingRun]:
+        """The modeled runs: the 1-GPU step of the chosen model first, then up to the slider."""
         base = next(r for r in self.runs if r.ranks == 1)
-        ranks = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024) if n <= self.max_ranks.value]
-        return extrapolate(base, self.grad_bytes(), LINKS[self.link.value], ranks)
+        ranks = [n for n in RANKS if n <= self.max_ranks.value]
+        cfg = PRESETS[self.model.value]
+        return modeled_runs(
+            base, cfg, LINKS[self.link.value], ranks, peak_flops=self.peak_flops, mfu=self.mfu,
+            grad_bytes_per_param=self.grad_bytes_per_param,
+        )  # fmt: skip
 
     def update(self) -> None:
         pred = self.predicted()
-        eff = efficiency(self.runs + pred)
-        last = pred[-1].ranks
-        measured = ", ".join(
-            f"{n}: {100 * eff[n]:.1f}%" for n in sorted(r.ranks for r in self.runs)
-        )
+        eff, peff = efficiency(self.runs), efficiency(pred)
+        last, one = pred[-1].ranks, pred[0]
+        cfg = PRESETS[self.model.value]
+        measured = ", ".join(f"{n}: {100 * e:.1f}%" for n, e in sorted(eff.items()))
         self.summary.value = (
-            f"measured efficiency {measured}; predicted at {last} GPUs: "
-            f'<span class="labkit-scaling-eff">{100 * eff[last]:.1f}%</span>'
+            f"<b>measured</b> on this machine (the CPU proxy, {len(self.runs)} runs), "
+            f"efficiency {measured}.<br><b>modeled</b> {self.model.value} "
+            f"({cfg.num_params() / 1e9:.2f}B parameters): {one.global_batch} x "
+            f"{cfg.block_size} tokens {'per GPU' if one.mode == 'weak' else 'a step'} at "
+            f"{100 * self.mfu:.0f}% MFU of "
+            f"{self.peak_flops / 1e12:.0f} TFLOP/s = {one.step_time * 1e3:.0f} ms compute, "
+            f"plus the ring all-reduce of {self.grad_bytes() / 1e9:.2f} GB; efficiency at "
+            f'{last} GPUs: <span class="labkit-scaling-eff">{100 * peff[last]:.1f}%</span>'
         )
         self.plot.clear_output(wait=True)
         with self.plot:
             fig = scaling_figure(
                 self.runs,
                 pred,
-                f"{self.runs[0].mode} scaling, {self.model.value} over {self.link.value}",
+                f"{self.runs[0].mode} scaling: measured (CPU proxy) and modeled "
+                f"({self.model.value} over {self.link.value})",
             )
             display(fig)
             plt.close(fig)
