@@ -20,6 +20,16 @@ b. ``labkit.launch`` at world_size=1 with backend="nccl": Comm (torch and ring) 
 c. AMP: labkit's DynamicLossScaler against torch.amp.GradScaler (fp16 autocast), time per
    step interleaved, ratio ours/torch; and a bf16 autocast step.
 d. labkit.memory.tracker.CudaMemoryTracker against torch.cuda.max_memory_allocated.
+e. (Run inside b.) The seams of issue 21 on CUDA under NCCL (world_size=1; NCCL sends only GPU
+   tensors, so every record a check exchanges must live on the GPU): the vocab-parallel cross-
+   entropy with ignore_index against F.cross_entropy, PowerSGD's orthonormalisation of bf16/fp16
+   factors, two threads running labkit's ring on two groups at once, ZeRO-3's first-step
+   lockstep check (section b's ZeRO-3 runs it too).
+f. A GEMM sweep: bf16 ``torch.mm`` TFLOP/s over square and transformer shapes, aligned and
+   not (k = 4096 against 4095), the data the planner's efficiency curve is calibrated from
+   (written to $OUT/gemm_sweep.json with the card and torch version).
+g. The GEMMs of a transformer layer over tokens x hidden x tensor-parallel degree
+   ($OUT/gemm_grid.json).
 
 Prints one JSON summary at the end (and writes it to $OUT/gpu_check.json when OUT is set).
 """
@@ -111,11 +121,63 @@ def _nccl_rank() -> dict[str, Any]:
 
     for impl in ("torch", "ring"):
         attempt(f"comm_{impl}", lambda impl=impl: comm_ok(impl))
+    attempt("seams", lambda: _seams(dev))
     for name, cls in VARIANTS.items():
         attempt(f"ddp_{name}", lambda cls=cls: ddp_ok(cls))
     for stage in ("zero1", "zero2", "zero3"):
         attempt(f"{stage}_losses", lambda stage=stage: zero_losses(stage))
     return res
+
+
+def _seams(dev: torch.device) -> dict[str, Any]:
+    """Issue 21's fixes on this device (section e): each entry True, or a number to read."""
+    import threading
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from labkit.collectives import Comm
+    from labkit.ddp.compression import orthonormalize
+    from labkit.tensor_parallel import vocab_parallel_cross_entropy
+
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8, 64, device=dev, requires_grad=True)
+    tgt = torch.randint(0, 64, (2, 8), device=dev)
+    tgt[0, :3] = -100  # padding
+    ours = vocab_parallel_cross_entropy(logits, tgt, Comm(None))
+    want = F.cross_entropy(logits.reshape(-1, 64), tgt.reshape(-1), ignore_index=-100)
+    out["ce_ignore_index_abs_err"] = abs(ours.item() - want.item())
+    try:
+        vocab_parallel_cross_entropy(logits, torch.full_like(tgt, 64), Comm(None))
+        out["ce_out_of_range_raises"] = False
+    except IndexError:
+        out["ce_out_of_range_raises"] = True
+    for dtype in (torch.bfloat16, torch.float16):
+        q = orthonormalize(torch.randn(256, 4, device=dev).to(dtype))
+        eye = torch.eye(4, device=dev)
+        out[f"powersgd_{dtype}_orthogonality_err"] = (
+            (q.float().T @ q.float() - eye).abs().max().item()
+        )
+    groups = [dist.new_group([0]), dist.new_group([0])]
+    errors: list[float] = []
+
+    def worker(g: Any) -> None:
+        comm = Comm(g, "ring")
+        for i in range(50):
+            t = torch.full((1 << 16,), float(i), device=dev)
+            comm.all_reduce(t)
+            errors.append((t - i).abs().max().item())
+
+    threads = [threading.Thread(target=worker, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["two_threads_ring_max_err"] = max(errors) if len(errors) == 100 else f"{len(errors)} of 100"
+    for g in groups:
+        dist.destroy_process_group(g)
+    return out
 
 
 def nccl_paths() -> dict[str, Any]:
@@ -202,7 +264,96 @@ def tracker() -> dict[str, Any]:
     }
 
 
-SECTIONS = {"a": None, "b": nccl_paths, "c": amp, "d": tracker}
+# --------------------------------------------------------------------------- f. GEMM sweep
+def gemm_sweep(device: str = "cuda", sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096,
+               8192, 16384), reps: int = 20) -> dict[str, Any]:  # fmt: skip
+    """bf16 (m, n, k) matmul TFLOP/s: median of ``reps`` timed runs after warm-up (CUDA events
+    around each run). Square sizes, GPT-2 1.3B's shapes (tokens 8192, h 2048, 4h, the vocab
+    50257 and the padded 50304) and k = 4096 against 4095 (tile alignment)."""
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    shapes = [(n, n, n) for n in sizes]
+    shapes += [(8192, 2048, 2048), (8192, 8192, 2048), (8192, 2048, 8192), (8192, 6144, 2048),
+               (8192, 50257, 2048), (8192, 50304, 2048), (4096, 4096, 4095), (4096, 4096, 4096),
+               (4096, 4096, 4104)]  # fmt: skip
+    rows = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=dev, dtype=dtype)
+        b = torch.randn(k, n, device=dev, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(reps):
+            if dev.type == "cuda":
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                a @ b
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        med = times[len(times) // 2]
+        rows.append({"m": m, "n": n, "k": k, "seconds": med, "tflops": 2 * m * n * k / med / 1e12})
+        del a, b
+    out = {"dtype": str(dtype), "device": torch.cuda.get_device_name() if dev.type == "cuda"
+           else "cpu", "torch": torch.__version__, "reps": reps, "rows": rows}  # fmt: skip
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gemm_sweep.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def transformer_grid() -> dict[str, Any]:
+    """Section g: the GEMMs of a transformer layer at planner scale, bf16 TFLOP/s (median of
+    10): tokens m in {2048, 8192, 16384} x hidden h in {1024 .. 12288} x tensor-parallel
+    t in {1, 2, 4, 8}: QKV (m, 3h/t, h), projection (m, h, h/t), fc (m, 4h/t, h), fc2
+    (m, h, 4h/t). Written to $OUT/gemm_grid.json for the planner's efficiency curve."""
+    rows = []
+    dev = torch.device("cuda")
+    for m in (2048, 8192, 16384):
+        for h in (1024, 1536, 2048, 2560, 4096, 5120, 8192, 12288):
+            for t in (1, 2, 4, 8):
+                for name, n, k in (("qkv", 3 * h // t, h), ("proj", h, h // t),
+                                   ("fc", 4 * h // t, h), ("fc2", h, 4 * h // t)):  # fmt: skip
+                    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+                    for _ in range(2):
+                        a @ b
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    times = []
+                    for _ in range(10):
+                        start.record()
+                        a @ b
+                        end.record()
+                        end.synchronize()
+                        times.append(start.elapsed_time(end) / 1e3)
+                    med = sorted(times)[5]
+                    rows.append({"gemm": name, "m": m, "n": n, "k": k, "h": h, "t": t,
+                                 "seconds": med, "tflops": 2 * m * n * k / med / 1e12})  # fmt: skip
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gemm_grid.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return {"shapes": len(rows), "min_tflops": min(r["tflops"] for r in rows),
+            "max_tflops": max(r["tflops"] for r in rows)}  # fmt: skip
+
+
+SECTIONS = {
+    "a": None,
+    "b": nccl_paths,
+    "c": amp,
+    "d": tracker,
+    "f": gemm_sweep,
+    "g": transformer_grid,
+}
 
 
 def main(argv: list[str]) -> int:
