@@ -143,7 +143,9 @@ def test_pipeline_timeline_has_a_legend():
     ):
         res = simulate(make_schedule(name, 2, 4), Costs(1, 1, 1))
         fig = draw_timeline(res.timeline, name)
-        labels = {t.get_text() for t in fig.axes[0].get_legend().get_texts()}
+        legend = fig.axes[0].get_legend()
+        assert legend is not None, name
+        labels = {t.get_text() for t in legend.get_texts()}
         assert labels == kinds | {"gap: bubble (idle)"}, labels
 
 
@@ -209,7 +211,9 @@ def test_scaling_widget_follows_its_controls(tmp_path):
     assert shown() != want("gpt2", "NVLink 4 (450 GB/s)", 64)  # the control did change it
     fig = scaling_figure(RUNS, w.predicted())
     assert len(fig.axes) == 3
-    labels = {t.get_text() for t in fig.axes[2].get_legend().get_texts()}
+    legend = fig.axes[2].get_legend()
+    assert legend is not None
+    labels = {t.get_text() for t in legend.get_texts()}
     assert {"measured", "modeled"} <= labels  # measured and modeled are named apart
 
 

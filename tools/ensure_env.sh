@@ -34,10 +34,14 @@ fi
 # The kernel that notebooks, nbval and nbclient use is this venv's Python.
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (labkit)" >/dev/null
 # JupyterLab: start the kernel without a dialog, and no news toast over the notebook.
+# windowingMode "none": every cell is laid out when a notebook opens, so a link to a section
+# (14's index -> 13#heading=...) scrolls to it; windowed modes scroll by estimated heights
+# and land thousands of pixels off (checked in tests/test_browser.py).
 mkdir -p .venv/share/jupyter/lab/settings
 cat > .venv/share/jupyter/lab/settings/overrides.json <<'JSON'
 {
   "@jupyterlab/notebook-extension:panel": {"autoStartDefaultKernel": true},
+  "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
   "@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}
 }
 JSON

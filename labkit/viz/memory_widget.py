@@ -172,20 +172,10 @@ class MemoryWidget:
             c.observe(self._changed, names="value")
         shape = W.HBox([self.layers, self.hidden, self.heads, self.vocab, self.seq])
         grid = W.HBox([self.dp, self.tp, self.pp, self.zero])
-        self.widget = W.VBox(
-            [
-                W.HBox([self.preset, self.micro_batch]),
-                shape,
-                grid,
-                W.HBox([self.precision, self.sp, self.offload]),
-                self.recompute,
-                W.HBox([self.capacity, self.custom_gb]),
-                self.total,
-                self.message,
-                self.plot,
-                self.table,
-            ]
-        )
+        rows = [W.HBox([self.preset, self.micro_batch]), shape, grid]
+        rows += [W.HBox([self.precision, self.sp, self.offload]), self.recompute]
+        rows += [W.HBox([self.capacity, self.custom_gb]), self.total, self.message]
+        self.widget = W.VBox([*rows, self.plot, self.table])
         self.widget.add_class("labkit-memory-widget")
         self.update()
 
