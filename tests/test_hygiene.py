@@ -233,3 +233,27 @@ def test_netns_records_are_whole_and_the_sweep_reads_only_its_users_complete_one
     records.chmod(0o777)
     with pytest.raises(PermissionError, match=r"records: others can write it"):
         netns.sweep_stale()
+
+
+def _temp_folder() -> str:
+    return tempfile.gettempdir()
+
+
+def test_a_jobs_temp_files_live_in_its_private_run_folder() -> None:
+    """multiprocessing's ``pymp-*`` and the elastic agent's ``torchelastic_*`` folders are
+    removed only at a clean exit: a killed job would leave them in the shared temp folder.
+    Its processes' TMPDIR is the run folder's ``tmp`` (private, pruned with the run)."""
+    from labkit.launch.config import LaunchConfig
+    from labkit.launch.runs import default_root
+    from labkit.launch.shipping import _worker_env
+    from tests.ranks import run_ranks
+
+    for folder in run_ranks(_temp_folder, world_size=2):  # a World's ranks
+        path = Path(folder)
+        assert path.name == "tmp" and path.parent.parent == default_root(), folder
+        assert (path.stat().st_mode & 0o077) == 0, oct(path.stat().st_mode)
+    cfg = LaunchConfig(world_size=2)
+    deep = Path("/tmp") / ("x" * 80)  # a Unix socket path under it would pass 107 bytes
+    assert _worker_env(cfg, "id", deep).get("TMPDIR") == os.environ.get("TMPDIR")
+    mine = LaunchConfig(world_size=2, env={"TMPDIR": "/somewhere"})
+    assert _worker_env(mine, "id", default_root())["TMPDIR"] == "/somewhere"  # the user's wins

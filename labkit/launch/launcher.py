@@ -74,7 +74,7 @@ class _Job:
     def __init__(self, cfg: LaunchConfig, run: Path):
         self.cfg = cfg
         self.run = run
-        env = _worker_env(cfg, run.name)
+        env = _worker_env(cfg, run.name, run)
         self.lifeline = Lifeline(env, run.name)  # first: the job's group and its watchdog
         try:
             self.proc = self._start_agent(env)

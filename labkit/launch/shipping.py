@@ -62,10 +62,14 @@ def _dumps(job: dict[str, Any]) -> bytes:
     return buffer.getvalue() + cloudpickle.dumps(sources)
 
 
-def _worker_env(cfg: LaunchConfig, run_id: str) -> dict[str, str]:
+def _worker_env(cfg: LaunchConfig, run_id: str, run_dir: Path | None = None) -> dict[str, str]:
     """The environment of a job's processes: the caller's, plus line-unbuffered output, a
-    fair share of the cores per rank, this labkit on the path, and the run id that marks
-    every process of the job (the tree kill checks it before killing a pid)."""
+    fair share of the cores per rank, this labkit on the path, the run id that marks every
+    process of the job (the tree kill checks it before killing a pid), and ``TMPDIR`` inside
+    ``run_dir``: the folders multiprocessing (``pymp-*``) and torch's elastic agent
+    (``torchelastic_*``) create are removed by their owners only at a clean exit, so a job
+    whose processes are killed would leave them in the shared temp folder; in the run's own
+    (private) folder they go when old runs are pruned. ``cfg.env`` may set another."""
     cores = os.cpu_count() or 1
     threads = cfg.threads_per_rank or max(1, cores // cfg.world_size)
     env = {
@@ -80,4 +84,10 @@ def _worker_env(cfg: LaunchConfig, run_id: str) -> dict[str, str]:
     # Make sure the agent imports *this* labkit, even from a notebook's working directory.
     pkg_parent = str(Path(__file__).resolve().parents[2])  # the folder that holds labkit/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+    tmp = None if run_dir is None or "TMPDIR" in cfg.env else Path(run_dir) / "tmp"
+    # the forkserver listens on TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, a Unix socket path
+    # limited to 107 bytes: a run folder too deep for that keeps the system's temp folder
+    if tmp is not None and len(str(tmp)) + len("/pymp-12345678/listener-12345678") < 107:
+        tmp.mkdir(mode=0o700, exist_ok=True)
+        env["TMPDIR"] = str(tmp)
     return env

@@ -51,7 +51,7 @@ class _Ranks:
 
         run = new_run_dir(runs_root(), "world-")  # private to this user (runs.py)
         store = dist.TCPStore(cfg.host, 0, cfg.world_size, is_master=True, wait_for_workers=False)
-        env = _worker_env(cfg, run.name)
+        env = _worker_env(cfg, run.name, run)
         env["LABKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
         ranks = cls(run, Lifeline(env, run.name), [], [], store)
         try:
