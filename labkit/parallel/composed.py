@@ -50,7 +50,7 @@ from labkit.parallel.composed_ref import (
 )
 from labkit.parallel.layout import ParallelDegrees, build_layout, rank_grid
 from labkit.parallel.matrix import Combo, check_combo
-from labkit.parallel.threed import pipeline_hook
+from labkit.parallel.threed import full_size, pipeline_hook, sum_tied_grads
 from labkit.pipeline.executor import embedding_groups, pipeline_step
 from labkit.pipeline.schedules import make_schedule
 from labkit.pipeline.stages import check_pipeline
@@ -175,11 +175,7 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
                 _sum_sequence_parallel(
                     stages, opt, tp_comm, sharded=combo.dp.startswith(("zero2", "zero3"))
                 )
-            if emb_group is not None:
-                for c in chunks:
-                    w = c.tied_weight()
-                    if w is not None and w.grad is not None:
-                        dist.all_reduce(w.grad, group=emb_group)
+            sum_tied_grads(chunks, emb_group)
             if ddp is None or scaler is None:
                 opt.step()
             else:
@@ -273,13 +269,10 @@ def _snapshot(combo: Combo, stages: Any, model: Any, opt: Any, layout: Any) -> d
             return {}
         named = dict(model.named_parameters())
         values.update({id(named[n]): t for n, t in sd["params"].items()})  # full shape
-    out, t = {}, dist.get_world_size(layout.tp_group)
-    for name, p in stages.named_parameters():
-        x = values[id(p)]
-        dim = getattr(p, "tp_shard_dim", None)
-        if dim is not None and t > 1:
-            parts = [torch.empty_like(x) for _ in range(t)]
-            dist.all_gather(parts, x.contiguous(), group=layout.tp_group)
-            x = torch.cat(parts, dim=dim)
-        out[norm_name(name.split(".", 2)[2], combo.tied)] = x.clone()
+    out = {
+        norm_name(name.split(".", 2)[2], combo.tied): full_size(
+            p, values[id(p)], layout.tp_group
+        ).clone()
+        for name, p in stages.named_parameters()
+    }
     return out if layout.tp_rank == 0 else {}

@@ -41,7 +41,15 @@ from labkit.tensor_parallel import TPConfig, vocab_parallel_cross_entropy
 from labkit.zero.adam import AdamConfig
 from labkit.zero.factory import make_optimizer
 
-__all__ = ["ThreeD", "ThreeDConfig", "build_threed", "check_threed", "full_name"]
+__all__ = [
+    "ThreeD",
+    "ThreeDConfig",
+    "build_threed",
+    "check_threed",
+    "full_name",
+    "full_size",
+    "sum_tied_grads",
+]
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,31 @@ def data_parallel_hook(model: nn.Module, dp_group: Any, *, zero: str, adam: Adam
     return model
 
 
+def sum_tied_grads(chunks: list[Any], emb_group: Any) -> None:
+    """Sum the tied weight's gradients of the first and last stage over ``emb_group``
+    (Megatron's embedding group: same dp and tp index, pipeline ends; None: one rank holds
+    both ends, and autograd already summed them)."""
+    if emb_group is None:
+        return
+    for c in chunks:
+        w = c.tied_weight()
+        if w is not None and w.requires_grad:
+            assert w.grad is not None
+            dist.all_reduce(w.grad, group=emb_group)
+
+
+def full_size(p: nn.Parameter, x: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """``x`` (``p``'s value, or a stand-in of its shape) at full size: tensor-parallel shards
+    (``p.tp_shard_dim``) all-gathered over ``tp_group``; replicated parameters as they are."""
+    dim = getattr(p, "tp_shard_dim", None)
+    t = dist.get_world_size(tp_group)
+    if dim is None or t == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(t)]
+    dist.all_gather(parts, x.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=dim)
+
+
 def full_name(name: str) -> str:
     """A stage parameter's name in the unsharded GPT (drop wrappers and the chunk index)."""
     name = name.split(".", 2)[2] if name.startswith("chunks.") else name
@@ -196,13 +229,7 @@ class ThreeD:
     def reduce_tied(self) -> None:
         """Sum the tied weight's gradients of the first and last stage (Megatron's embedding
         group: same dp and tp index, pipeline ends); one rank holding both: autograd did."""
-        if self.emb_group is None:
-            return
-        for c in self.chunks:
-            w = c.tied_weight()
-            if w is not None and w.requires_grad:
-                assert w.grad is not None
-                dist.all_reduce(w.grad, group=self.emb_group)
+        sum_tied_grads(self.chunks, self.emb_group)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters (shards), named as in the unsharded GPT."""
@@ -210,17 +237,8 @@ class ThreeD:
 
     def gather_full(self) -> dict[str, torch.Tensor]:
         """This stage's parameters at full size (tensor shards all-gathered over tp)."""
-        out = {}
-        t = dist.get_world_size(self.layout.tp_group)
-        for name, p in self.named_parameters():
-            x = p.detach()
-            dim = getattr(p, "tp_shard_dim", None)
-            if dim is not None and t > 1:
-                parts = [torch.empty_like(x) for _ in range(t)]
-                dist.all_gather(parts, x.contiguous(), group=self.layout.tp_group)
-                x = torch.cat(parts, dim=dim)
-            out[name] = x.clone()
-        return out
+        return {name: full_size(p, p.detach(), self.layout.tp_group).clone()
+                for name, p in self.named_parameters()}  # fmt: skip
 
     def close(self) -> None:
         if self.emb_group is not None:
