@@ -20,7 +20,8 @@ ROOT = Path(labkit.__file__).parent
 # Packages whose modules implement one technique (or a model): they never import the floors
 # above them, where techniques are composed, taught or examined.
 TECHNIQUES = ("models", "collectives", "ddp", "zero", "tensor_parallel", "pipeline",
-              "precision", "activation_checkpoint", "checkpoint", "memory")  # fmt: skip
+              "precision", "activation_checkpoint", "checkpoint", "memory",
+              "context_parallel", "experts", "optim")  # fmt: skip
 ABOVE = ("labs", "checks", "interview", "viz")
 
 

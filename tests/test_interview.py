@@ -283,3 +283,76 @@ def test_ddp_step_defaults_are_fp32_gradients_and_a_sustainable_mfu():
     # negative control: fp16 gradients (a compression hook) halve the bytes
     hooked = predict_ddp_step(params, flops, 64, 4, link, overlap=False, grad_bytes=2)
     assert hooked.comm < 0.51 * got.comm + 6 * link.alpha
+
+
+WALKTHROUGHS = ROOT / "notebooks" / "13_interview_walkthroughs.ipynb"
+STRONG = ("**Question", "**Clarify", "**Estimate", "**Choice", "**Say", "**Monitor", "**Fallback")
+
+
+def test_every_id_has_a_strong_walkthrough_skeleton_and_a_quiz():
+    # "strong" (issue 22): question, clarifying questions, an estimate computed by code, the
+    # choice, a 60-second answer, monitoring and fallback, a checked quiz; the markdown names
+    # each part and a code cell of the section computes and quizzes
+    sections: dict[str, list] = {}
+    current = None
+    for cell in nbformat.read(WALKTHROUGHS, as_version=4).cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("## "):
+            m = re.match(r"## ([SAKP]\d+)\b", cell.source)
+            current = m.group(1) if m else None
+        if current:
+            sections.setdefault(current, []).append(cell)
+    assert sorted(sections) == sorted(topic_ids())
+    for tid, cells in sections.items():
+        text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+        code = "\n".join(c.source for c in cells if c.cell_type == "code")
+        missing = [m for m in STRONG if m not in text]
+        assert not missing, f"13 §{tid} lacks {missing}"
+        assert f'quiz("{tid}")' in code, f"13 §{tid} has no quiz"
+        assert "print(" in code, f"13 §{tid} computes nothing"
+
+
+def test_the_ids_beyond_the_cards_are_marked_and_point_at_their_notebooks():
+    beyond = {t.id: t for t in load_topics() if "beyond the original cards" in t.title}
+    assert set(beyond) == {"K13", "K14"}
+    assert "15_long_context.ipynb" in beyond["K13"].text
+    assert "16_experts.ipynb" in beyond["K14"].text
+
+
+def test_time_to_train_and_hsdp_are_the_stated_arithmetic():
+    from labkit.interview.estimates import GPU_PEAK_FLOPS, hsdp_vs_fsdp, time_to_train
+
+    b = time_to_train(2e9, 1e11, 64, mfu=0.5, price_per_gpu_hour=3.0)
+    seconds = 6 * 2e9 * 1e11 / (64 * GPU_PEAK_FLOPS * 0.5)
+    assert b.flops == 6 * 2e9 * 1e11 and b.seconds == pytest.approx(seconds)
+    assert b.gpu_hours == pytest.approx(seconds * 64 / 3600) and b.cost == pytest.approx(
+        3 * b.gpu_hours
+    )
+    assert time_to_train(2e9, 1e11, 64, recompute="full").flops == 8 * 2e9 * 1e11
+    with pytest.raises(ValueError, match="mfu"):
+        time_to_train(2e9, 1e11, 64, mfu=0)
+    d = 2 * 2e9
+    h = hsdp_vs_fsdp(2e9, 8, 8, LINKS["NVLink"], LINKS["InfiniBand"])
+    assert h["hsdp"]["uplink_bytes"] == pytest.approx(2 * 7 / 8 * d)
+    assert h["fsdp"]["uplink_bytes"] == pytest.approx(3 * 63 / 64 * d)
+    assert h["hsdp"]["states"] == pytest.approx(8 * h["fsdp"]["states"])  # 8-way, not 64-way
+    assert h["hsdp"]["seconds"] < h["fsdp"]["seconds"]
+    one = hsdp_vs_fsdp(2e9, 1, 8, LINKS["NVLink"], LINKS["InfiniBand"])  # one node: the same
+    assert one["hsdp"]["seconds"] == pytest.approx(one["fsdp"]["seconds"])
+
+
+def test_long_context_and_moe_formulas():
+    from labkit.interview.beyond import attention_activation_bytes, moe_counts
+
+    s, h, a = 4096, 1024, 16
+    assert attention_activation_bytes(s, h, a) == s * h * (34 + 5 * a * s / h)
+    assert attention_activation_bytes(s, h, a, fused=True) == 34 * s * h
+    assert attention_activation_bytes(s, h, a, fused=True, cp=4) == 34 * s * h / 4
+    with pytest.raises(ValueError, match="cp"):
+        attention_activation_bytes(s, h, a, cp=3)
+    dense = moe_counts(24, 1024, 1, 1)
+    assert dense.total_params == dense.active_params
+    moe = moe_counts(24, 1024, 8, 2)
+    mlp = 8 * 1024 * 1024 * 24
+    assert moe.total_params - dense.total_params == pytest.approx(7 * mlp + 24 * 1024 * 8)
+    assert moe.active_params - dense.active_params == pytest.approx(mlp + 24 * 1024 * 8)
+    assert moe.train_flops(1e9) == 6 * moe.active_params * 1e9

@@ -27,6 +27,7 @@ from labkit.labs.mixed_links import (
 )
 from labkit.labs.threed import reference
 from labkit.measure.mixed_links import miniature_cluster
+from labkit.memory.model import MIXED_ADAM
 from labkit.models.gpt import GPTConfig
 from labkit.parallel.layout import ParallelDegrees
 from labkit.planner import CLUSTERS, Candidate, Cluster, predict
@@ -84,10 +85,13 @@ def test_tp_comm_by_hand_inside_and_across_nodes() -> None:
 
 def test_hierarchical_dp_comm_by_hand_and_below_the_flat_ring() -> None:
     cand = Candidate(dp=8, tp=2, pp=2, micro_batch=1, zero=0, recompute="selective")
-    hier = predict(GPT_10B, ETH, 64, cand, dp_collective="hierarchical")
-    flat = predict(GPT_10B, ETH, 64, cand, dp_collective="ring")
+    # MIXED_ADAM: the recipe keeps (and reduces) 16-bit gradients, 2 bytes each on the wire
+    hier = predict(GPT_10B, ETH, 64, cand, dp_collective="hierarchical", precision=MIXED_ADAM)
+    flat = predict(GPT_10B, ETH, 64, cand, dp_collective="ring", precision=MIXED_ADAM)
     h, v, s = GPT_10B.n_embd, GPT_10B.vocab_size, GPT_10B.block_size
-    psi = (24 * (12 * h * h + 13 * h) + v * h) / 2 + s * h  # the first stage's shard
+    # the first stage's shard: 24 blocks of 12h^2/2 + 7h/2 split, 6h replicated (LayerNorms,
+    # row-parallel biases), the vocabulary split, the positions whole (labkit.memory.per_gpu)
+    psi = 24 * (12 * h * h / 2 + 7 * h / 2 + 6 * h) + v * h / 2 + s * h
     want = hierarchical_all_reduce_time(
         2 * psi, 2, 4,
         intra=(ETH.intra_latency, 1 / ETH.intra_bandwidth),
@@ -126,7 +130,8 @@ def test_the_planners_dp_all_reduce_is_notebook_09s_cost_model() -> None:
     uplink = (two.inter_latency, 1 / (two.gpus_per_node * two.inter_bandwidth))
     for alg, model in (("ring", flat_ring_two_level_time), ("hierarchical",
                        hierarchical_all_reduce_time)):  # fmt: skip
-        got = predict(GPT_10B, two, 64, cand, dp_collective=alg).time["dp_comm"]
+        got = predict(GPT_10B, two, 64, cand, dp_collective=alg,
+                      precision=MIXED_ADAM).time["dp_comm"]  # 16-bit gradients on the wire
         assert got == pytest.approx(model(grad, 2, 8, intra, uplink)), alg
 
 

@@ -74,7 +74,8 @@ def test_planner_ranks_the_papers_layout_in_its_top_four(row) -> None:
     # planner prefers t=4, p=2 at 18.4B, where the paper ran t=8, p=1.
     cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(row.gpus // 8)
     ranked: list[tuple[int, int]] = []
-    for pred in plan(_cfg(row), cluster, row.batch):  # full recompute, no ZeRO, v = 1
+    # the single-constant model (efficiency=0.5); the roofline's: tests/test_planner_timing.py
+    for pred in plan(_cfg(row), cluster, row.batch, efficiency=0.5):  # full recompute, v = 1
         key = (pred.candidate.tp, pred.candidate.pp)
         if pred.fits and key not in ranked:
             ranked.append(key)
@@ -116,12 +117,17 @@ def test_prediction_parts_by_hand() -> None:
     cand = Candidate(dp=2, tp=2, pp=1, micro_batch=2, zero=1, recompute="none")
     pred = predict(cfg, cluster, 8, cand, precision=MIXED_ADAM)
     h = 64
-    psi = (4 * (12 * h * h + 13 * h) + 64 * h) / 2 + 32 * h  # the stage's shard
+    # the stage's shard: 4 blocks of 12h^2/2 + 7h/2 (split) + 6h (LayerNorms and row-parallel
+    # biases, replicated), the vocabulary split, positions and the final LayerNorm whole
+    psi = 4 * (12 * h * h / 2 + 7 * h / 2 + 6 * h) + 64 * h / 2 + 32 * h + 2 * h
     states = model_states("zero1", psi, 2, MIXED_ADAM)
     assert pred.memory["optimizer"] == pytest.approx(states.optimizer_state)
     assert pred.memory["parameters"] == pytest.approx(2 * psi)
+    # SDPA (the model's kernel) stores no attention scores; the head keeps 16-bit logits and
+    # log-probabilities of (s, b, V/t)
     assert pred.memory["activations"] == pytest.approx(
-        4 * activation_bytes_per_layer(32, 2, 64, 4, tp=2)
+        4 * activation_bytes_per_layer(32, 2, 64, 4, tp=2, recompute="selective")
+        + 2 * 32 * 2 * 32 * 2
     )
     assert pred.micro_batches == 2 and pred.time["bubble"] == 0 and pred.time["pp_comm"] == 0
     # tp comm: 4 layers x 2 micro-batches x 4 all-reduces of 2*b*s*h bytes over 2 ranks (ring)
@@ -173,7 +179,8 @@ def test_planner_with_the_simulated_bubble_ranks_the_same() -> None:
     cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=48, n_head=64, n_embd=8192)
     cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(8)
     kw = dict(
-        micro_batches=(1, 2), virtual=(1, 2), zero_stages=(0, 1), recompute=("full", "selective")
+        micro_batches=(1, 2), virtual=(1, 2), zero_stages=(0, 1), recompute=("full", "selective"),
+        efficiency=0.5,  # FLOPs at one rate: the bubble below is a ratio of FLOPs
     )
     formula = plan(cfg, cluster, 128, **kw)
     simulated = plan(cfg, cluster, 128, bubble="simulated", **kw)
@@ -242,15 +249,15 @@ def test_memory_check_accepts_the_hand_formula_within_one_percent(capsys) -> Non
     from labkit.checks.planner import SCENARIO, check_memory
 
     m = SCENARIO.model
-    s, V, L, h, a = m.block_size, m.vocab_size, m.n_layer, m.n_embd, m.n_head
+    s, V, L, h = m.block_size, m.vocab_size, m.n_layer, m.n_embd
     t, p, d, b = c.tp, c.pp, c.dp, c.micro_batch
     P = ((L / p) * (12 * h * h + 13 * h) + V * h) / t + s * h
     mb = SCENARIO.global_batch // (d * b)
     right = {
         "parameters": 2 * P, "gradients": 4 * P, "optimizer": 12 * P / d,
-        "activations": min(p, mb) * (L / p) * 2 * s * b * h
-        + s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
-        "workspace": b * s * V / t * 4 + 1e9,
+        "activations": min(p, mb) * (L / p) * 2 * s * b * h,
+        # the larger transient: one layer rebuilt (SDPA: no scores) or the logits' gradient
+        "workspace": max(s * b * h * (10 + 24 / t), 2 * b * s * V / t) + 1e9,
     }  # fmt: skip
     check_memory(right)
     assert "PASSED" in capsys.readouterr().out
@@ -258,7 +265,7 @@ def test_memory_check_accepts_the_hand_formula_within_one_percent(capsys) -> Non
     # negative controls: the ZeRO paper's 2-byte gradients; ZeRO-1 forgotten; 2% off
     with pytest.raises(CheckFailed, match=r"gradients: .*-50\.0%"):
         check_memory({**right, "gradients": 2 * P})
-    with pytest.raises(CheckFailed, match=r"optimizer: .*\+100\.0%"):
+    with pytest.raises(CheckFailed, match=r"optimizer: .*\+(99\.9|100\.0)%"):
         check_memory({**right, "optimizer": 12 * P})
     with pytest.raises(CheckFailed, match="activations"):
         check_memory({**right, "activations": right["activations"] * 1.02})
@@ -302,7 +309,7 @@ def test_an_uneven_cut_is_costed_stage_by_stage() -> None:
     preds = {}
     for cut in (None, (3, 2), (2, 3), (4, 1), (1, 4), (0, 5)):
         cand = Candidate(dp=1, tp=1, pp=2, micro_batch=b, stage_layers=cut)
-        preds[cut] = predict(cfg, cluster, m, cand)
+        preds[cut] = predict(cfg, cluster, m, cand, efficiency=0.5)  # FLOPs at one rate
         counts = cut or (3, 2)  # the default spread: the extra block on stage 0
         per_micro = max(counts[0] * layer, counts[1] * layer + head) / rate
         assert preds[cut].time["compute"] == pytest.approx(m * per_micro), cut
@@ -316,7 +323,8 @@ def test_an_uneven_cut_is_costed_stage_by_stage() -> None:
     assert len({round(t, 12) for t in steps.values()}) == 5  # (3, 2) = default; others differ
     assert preds[(4, 1)].memory["parameters"] > preds[(3, 2)].memory["parameters"]
     # the simulated bubble: 1F1B whose last stage is the heaviest idles stage 0's time once
-    sim = predict(cfg, cluster, m, Candidate(1, 1, 2, b, stage_layers=(1, 4)), bubble="simulated")
+    sim = predict(cfg, cluster, m, Candidate(1, 1, 2, b, stage_layers=(1, 4)), bubble="simulated",
+                  efficiency=0.5)
     assert sim.time["bubble"] == pytest.approx(layer / rate)
     # an even cut written out equals the default one; a bad cut is named before anything runs
     even = cfg.with_(n_layer=4)

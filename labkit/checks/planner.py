@@ -9,7 +9,7 @@ planner's best over the same space; it passes when the layout fits and reaches
 
 Part 2, :func:`check_memory`: the learner's memory estimate per GPU of one given layout,
 worked by hand (model states of the stage's shard, Korthikanti's activations times the
-micro-batches in flight, the logits workspace), part by part within 1% of the planner's.
+micro-batches in flight, the largest transient plus 1 GB), part by part within 1% of the planner's.
 """
 
 from __future__ import annotations

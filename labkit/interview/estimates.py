@@ -13,6 +13,12 @@ here once so an answer can say "assuming ...".
 * Young (1974) / Daly (2006): checkpoint every ``sqrt(2 * C * M)`` seconds for save time C and
   mean time between failures M; the fraction of time lost is about ``C/tau + tau/(2M)`` (K11).
 * The data-parallel ladder (P3): DDP, then ZeRO-1, 2, 3; model parallelism only when none fits.
+* Time to train (S7): ``6 N D`` FLOPs for N parameters and D tokens (Kaplan et al. 2020;
+  8 N D with full recomputation; :func:`labkit.planner.budget.training_flops`) at a stated
+  MFU of a stated peak, in days, GPU-hours and money, for a model the planner has not
+  planned (S6 uses the planner's own ``run_budget`` at its predicted step).
+* HSDP against FSDP/ZeRO-3 (A2): memory from :func:`labkit.memory.model.model_states`, step
+  communication from :mod:`labkit.collectives.cost_model` on two link classes.
 """
 
 from __future__ import annotations
@@ -23,8 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.collectives.cost_model import AlphaBeta, ring_all_reduce_time
+from labkit.collectives.cost_model import (
+    AlphaBeta,
+    flat_ring_two_level_time,
+    ring_all_reduce_time,
+)
 from labkit.memory.model import MIXED_ADAM, STAGES, Precision, model_states
+from labkit.planner.budget import training_flops
 
 __all__ = [
     "LINKS",
@@ -41,6 +52,9 @@ __all__ = [
     "workers_needed",
     "first_fitting_stage",
     "sum_order_changes_bits",
+    "TrainBudget",
+    "time_to_train",
+    "hsdp_vs_fsdp",
 ]
 
 # Stated link assumptions: alpha (s per message), beta (s per byte) of one ring hop.
@@ -186,3 +200,80 @@ def sum_order_changes_bits(n: int = 1 << 16, seed: int = 0) -> bool:
     two = torch.stack([c.sum() for c in x.chunk(2)]).sum()
     four = torch.stack([c.sum() for c in x.chunk(4)]).sum()
     return bool(two != four)
+
+
+@dataclass(frozen=True)
+class TrainBudget:
+    """A whole run: FLOPs, wall-clock and what it costs."""
+
+    flops: float
+    seconds: float
+    gpus: int
+    price_per_gpu_hour: float
+
+    @property
+    def days(self) -> float:
+        return self.seconds / 86400
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.seconds * self.gpus / 3600
+
+    @property
+    def cost(self) -> float:
+        return self.gpu_hours * self.price_per_gpu_hour
+
+
+def time_to_train(
+    params: float,
+    tokens: float,
+    gpus: int,
+    *,
+    mfu: float = 0.4,
+    peak_flops: float = GPU_PEAK_FLOPS,
+    price_per_gpu_hour: float = 2.0,
+    recompute: str = "none",
+) -> TrainBudget:
+    """The training FLOPs of :func:`labkit.planner.budget.training_flops` (``6 N D``; full
+    recompute adds ``2 N D``) at ``mfu`` of ``peak_flops`` on each of ``gpus``: for a run
+    with no planner prediction of its step (the planner's ``run_budget`` takes one). Stated
+    defaults: 40% MFU (a well-tuned dense LLM run on A100s), $2 per GPU-hour."""
+    if gpus < 1 or not 0 < mfu <= 1:
+        raise ValueError(f"need gpus >= 1 and 0 < mfu <= 1; got {gpus}, {mfu}")
+    flops = training_flops(params, tokens, recompute)["total"]
+    return TrainBudget(flops, flops / (gpus * peak_flops * mfu), gpus, price_per_gpu_hour)
+
+
+def hsdp_vs_fsdp(
+    psi: float, nodes: int, gpus_per_node: int, intra: AlphaBeta, inter: AlphaBeta,
+    elem_bytes: int = 2,
+) -> dict[str, dict[str, float]]:
+    """Per GPU: model-state bytes, bytes through each node's uplink per step, and seconds of
+    the step's parameter/gradient collectives, for FSDP/ZeRO-3 over all ``n k`` GPUs against
+    HSDP (shard inside a node of ``k``, replicate across the ``n`` nodes).
+
+    FSDP: all-gather the parameters twice (forward, backward) and reduce-scatter the gradients
+    once, each half of a flat ring all-reduce over all GPUs: ``1.5 x`` that ring's time, and
+    ``3 (p-1)/p D`` bytes through each node's uplink (``D = elem_bytes * psi``). HSDP: the
+    same three collectives inside the node (fast link), then an all-reduce across nodes of
+    each GPU's ``D/k`` gradient shard, the ``k`` shards sharing the node's one uplink:
+    ``2 (n-1)/n D`` bytes through it. Memory: HSDP's states are sharded ``k`` ways, not ``n k``.
+    """
+    p, k, n = nodes * gpus_per_node, gpus_per_node, nodes
+    d = elem_bytes * psi
+    fsdp_s = 1.5 * flat_ring_two_level_time(d, n, k, intra, inter)
+    hsdp_s = 1.5 * ring_all_reduce_time(d, k, *intra) + (
+        ring_all_reduce_time(d / k, n, inter.alpha, inter.beta * k) if n > 1 else 0.0
+    )
+    return {
+        "fsdp": {
+            "states": model_states("zero3", psi, p).total,
+            "uplink_bytes": 3 * (p - 1) / p * d if n > 1 else 0.0,
+            "seconds": fsdp_s,
+        },
+        "hsdp": {
+            "states": model_states("zero3", psi, k).total,
+            "uplink_bytes": 2 * (n - 1) / n * d,
+            "seconds": hsdp_s,
+        },
+    }

@@ -114,8 +114,9 @@ def namespace() -> dict[str, Any]:
     import math
 
     from labkit.collectives import cost_model
-    from labkit.interview import estimates
+    from labkit.interview import beyond, estimates
     from labkit.labs.mnist import effective_batch, lr_at, scaled_lr
+    from labkit.measure.h2d import percentile
     from labkit.memory import model as memory
     from labkit.models.gpt import count_params_meta, preset
     from labkit.profiling import derived
@@ -129,7 +130,8 @@ def namespace() -> dict[str, Any]:
         model_states=memory.model_states, MIXED_ADAM=memory.MIXED_ADAM, FP32_ADAM=memory.FP32_ADAM
     )
     ns.update(act=memory.activation_bytes_per_layer, ring=cost_model.ring_all_reduce_time)
-    ns.update(busbw_factor=cost_model.busbw_factor)
+    ns.update(busbw_factor=cost_model.busbw_factor, percentile=percentile)
+    ns.update({k: getattr(beyond, k) for k in beyond.__all__})
     return ns
 
 
@@ -163,7 +165,9 @@ def load_questions(path: str | Path = BANK_PATH) -> dict[str, Question]:
             item["hint"],
             item["look"],
             item["why"],
-            {k: tuple(v) for k, v in item.get("params", {}).items()},
+            # a drawn value may be a list (a sample of numbers): a tuple, so draws can be cached
+            {k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+             for k, v in item.get("params", {}).items()},  # fmt: skip
             tuple(choices) if choices else None,
             float(item.get("rel_tol", DEFAULT_REL_TOL)),
             tuple((m["solution"], m["hint"]) for m in item.get("mistakes", ())),

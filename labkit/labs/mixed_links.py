@@ -180,7 +180,7 @@ def ordered_layout(degrees: ParallelDegrees, order: str) -> Layout:
         grid = grid.reshape(pp, dp, tp)
     else:  # dp innermost: rank = pp_idx * (dp tp) + tp_idx * dp + dp_idx
         grid = grid.reshape(pp, tp, dp).transpose(1, 2)  # (pp, tp, dp) -> (pp, dp, tp)
-    mesh = DeviceMesh("cpu", grid, mesh_dim_names=MESH_DIMS)
+    mesh = DeviceMesh("cpu", grid.unsqueeze(2), mesh_dim_names=MESH_DIMS)  # (pp, dp, cp=1, tp)
     return Layout(degrees, mesh, mesh.get_group("tp"), mesh.get_group("dp"),
                   mesh.get_group("pp"))  # fmt: skip
 

@@ -1,8 +1,9 @@
 """Per-GPU memory of one training setup, by category: the ONE estimate behind the widget,
 the capstone notebook and the GPU check.
 
-Every formula comes from :mod:`labkit.memory.model`; this module only decides *what* each
-GPU holds and asks the model for the bytes:
+Every formula comes from :mod:`labkit.memory.model`, assembled by the ONE per-GPU model
+:func:`labkit.memory.per_gpu.gpu_memory` that the planner calls too (``labkit.planner.memory``);
+this module turns a :class:`TrainSetup` into its inputs. What each GPU holds:
 
 * **model states** (parameters, gradients, optimizer state): the parameters one GPU owns
   under tensor parallelism (Megatron: weight matrices and the q/k/v/fc biases split ``tp``
@@ -32,17 +33,17 @@ GPU holds and asks the model for the bytes:
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
-from labkit.memory.model import (
-    FP32_ADAM,
-    MIXED_ADAM,
-    RECOMPUTE,
-    STAGES,
-    Precision,
-    activation_bytes_per_layer,
-    model_states,
+from labkit.memory.model import FP32_ADAM, MIXED_ADAM, RECOMPUTE, STAGES, Precision
+from labkit.memory.per_gpu import (
+    CATEGORIES,
+    GB,
+    GIB,
+    MemoryEstimate,
+    block_params,
+    gpu_memory,
+    gpu_params,
 )
 from labkit.models.gpt import GPTConfig
 from labkit.parallel.layout import ParallelDegrees
@@ -59,10 +60,6 @@ __all__ = [
     "gpu_params",
     "measured_vs_predicted",
 ]
-
-GB = 1e9
-GIB = 2**30
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "workspace")
 
 # precision -> (bytes per parameter of each model state, bytes per stored activation element)
 # "bf16-autocast": fp32 weights, gradients and Adam moments; autocast computes in bf16.
@@ -116,72 +113,10 @@ class TrainSetup:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per GPU by category; ``host_bytes`` is what CPU offload keeps in host memory."""
-
-    parameters: float
-    gradients: float
-    optimizer_state: float
-    activations: float
-    workspace: float
-    allowance: float
-    host_bytes: float
-    params_per_gpu: int
-
-    @property
-    def total(self) -> float:
-        return sum(self.by_category().values())
-
-    @property
-    def peak_allocated(self) -> float:
-        """The prediction for ``torch.cuda.max_memory_allocated``: total minus the allowance."""
-        return self.total - self.allowance
-
-    def by_category(self) -> dict[str, float]:
-        return {c: getattr(self, c) for c in CATEGORIES}
-
-    def fits(self, capacity_bytes: float) -> bool:
-        return self.total <= capacity_bytes
-
-    def headroom(self, capacity_bytes: float) -> float:
-        """Bytes left (negative: by how much it does not fit)."""
-        return capacity_bytes - self.total
-
-    def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "total": self.total}
-
-
-def block_params(cfg: GPTConfig, tp: int = 1) -> int:
-    """One block's parameters per tensor-parallel rank: the weights (12d^2) and the q/k/v/fc
-    biases (7d) split ``tp`` ways; the two LayerNorms (4d) and the row-parallel biases of
-    the two output projections (2d) replicated. ``tp=1``: ``12d^2 + 13d``."""
-    d = cfg.n_embd
-    return 12 * d * d // tp + 7 * d // tp + 6 * d
-
-
-def _stage_params(cfg: GPTConfig, tp: int, pp: int) -> tuple[int, int]:
-    """(first stage, last stage) parameters per tensor-parallel rank; equal when pp == 1."""
-    d, t = cfg.n_embd, tp
-    per_block = block_params(cfg, tp)
-    vocab = -(-cfg.vocab_size // t) * t  # padded to a multiple of tp (vocab-parallel embedding)
-    wte = vocab * d // t
-    blocks = math.ceil(cfg.n_layer / pp) * per_block
-    first = blocks + wte + cfg.block_size * d
-    head = wte  # tied: the last stage keeps a copy of wte as the head; untied: its own head
-    last = blocks + 2 * d + head
-    if pp == 1:
-        return first + 2 * d + (0 if cfg.tie_weights else head), first + 2 * d
-    return first, last
-
-
-def gpu_params(cfg: GPTConfig, tp: int = 1, pp: int = 1) -> int:
-    """Parameters one GPU holds before ZeRO: the larger pipeline stage, per tp rank."""
-    return max(_stage_params(cfg, tp, pp))
-
-
 def estimate(cfg: GPTConfig, setup: TrainSetup | None = None, **changes: object) -> MemoryEstimate:
-    """Per-GPU bytes by category for training ``cfg`` under ``setup`` (see the module doc)."""
+    """Per-GPU bytes by category for training ``cfg`` under ``setup``: the one memory model,
+    :func:`labkit.memory.per_gpu.gpu_memory`, with ZeRO over the whole dp group, 1F1B's ``pp``
+    micro-batches in flight and ``cfg.attention`` as the attention kernel."""
     setup = (setup or TrainSetup()).with_(**changes) if changes else (setup or TrainSetup())
     ParallelDegrees(setup.dp, setup.tp, setup.pp).check_model(
         hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer
@@ -189,58 +124,14 @@ def estimate(cfg: GPTConfig, setup: TrainSetup | None = None, **changes: object)
     s = setup.seq or cfg.block_size
     if s > cfg.block_size:
         raise ValueError(f"seq={s} exceeds the model's block_size={cfg.block_size}")
-    b, h, a, t, pp = setup.micro_batch, cfg.n_embd, cfg.n_head, setup.tp, setup.pp
     prec, elem = PRECISIONS[setup.precision]
-
-    psi = gpu_params(cfg, t, pp)
-    states = model_states(setup.zero, psi, setup.dp, prec)
-    optim_gpu = 0.0 if setup.offload_optimizer else states.optimizer_state
-    host = states.optimizer_state if setup.offload_optimizer else 0.0
-
-    # Table 2 counts 16-bit tensors: scale by elem / 2 for fp32. SDPA never stores the core.
-    scale = elem / 2
-    stored = (
-        "selective" if (setup.recompute == "none" and cfg.attention == "sdpa") else setup.recompute
-    )
-    layer = scale * activation_bytes_per_layer(s, b, h, a, tp=t, sp=setup.sp, recompute=stored)
-    layers_per_stage = math.ceil(cfg.n_layer / pp)
-    vocab_t = -(-cfg.vocab_size // t)
-    logits = s * b * vocab_t * elem  # one (s, b, V/t) tensor
-    first_stage = pp * layers_per_stage * layer  # 1F1B: pp micro-batches in flight
-    last_stage = layers_per_stage * layer + 2 * logits  # logits + log-probabilities
-    activations = max(first_stage, last_stage) if pp > 1 else layers_per_stage * layer + 2 * logits
-
-    # Transients, which peak at different moments of the step (measured on an H200: adding
-    # them up over-predicted the 1.3B step's peak by 15%, taking the larger is within 5%):
-    # - backward starts by replacing the logits and log-probabilities by their gradients
-    #   (net one (s, b, V/t) tensor more);
-    # - later, layer by layer, recompute rebuilds one layer, and ZeRO-3 gathers its weights;
-    # - the optimizer step, when the activations are gone, upcasts gradients to fp32.
-    start = float(logits)
-    per_layer = 0.0
-    if setup.recompute != "none":
-        core = "selective" if cfg.attention == "sdpa" else "none"
-        per_layer += scale * activation_bytes_per_layer(
-            s, b, h, a, tp=t, sp=setup.sp, recompute=core
-        )
-    if setup.zero == "zero3":
-        per_layer += block_params(cfg, t) * prec.param_bytes  # the layer all-gathered for compute
-    step = 0.0
-    if prec is MIXED_ADAM:
-        chunk = setup.grad_chunk_params or psi  # fp32 copy of the gradients being stepped
-        shard = psi / setup.dp if setup.zero != "ddp" else psi
-        step = 4 * min(chunk, shard)
-    work = max(start, per_layer, step - activations)
-    return MemoryEstimate(
-        parameters=states.parameters,
-        gradients=states.gradients,
-        optimizer_state=optim_gpu,
-        activations=activations,
-        workspace=work + setup.allowance,
-        allowance=setup.allowance,
-        host_bytes=host,
-        params_per_gpu=psi,
-    )
+    return gpu_memory(
+        cfg, micro_batch=setup.micro_batch, seq=s, shard=setup.dp, tp=setup.tp, pp=setup.pp,
+        zero=setup.zero, precision=prec, act_bytes=elem, recompute=setup.recompute,
+        sp=setup.sp, attention=cfg.attention,
+        offload="optimizer" if setup.offload_optimizer else "none",
+        grad_chunk_params=setup.grad_chunk_params, allowance=setup.allowance,
+    )  # fmt: skip
 
 
 def measured_vs_predicted(record: dict, est: MemoryEstimate) -> dict[str, tuple[float, float]]:

@@ -47,15 +47,31 @@ STAGES = ("ddp", "zero1", "zero2", "zero3")
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter of each model state."""
+    """Bytes per parameter of each model state, and per gradient element on the wire."""
 
     param_bytes: int
     grad_bytes: int
     optim_bytes: int  # the paper's K
+    # bytes per gradient element on the wire (the data-parallel reduce): None = the gradients'
+    # own dtype (Megatron's fp32 main_grad buffer reduces in fp32), 2 = a 16-bit reduce
+    reduce_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.param_bytes, self.grad_bytes, self.optim_bytes) < 0:
             raise ValueError(f"bytes per parameter must be >= 0, got {self}")
+        if self.reduce_bytes is not None and self.reduce_bytes not in (2, 4):
+            raise ValueError(f"reduce_bytes must be 2, 4 or None, got {self.reduce_bytes}")
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes per gradient element the data-parallel reduction sends: the one precision
+        choice the memory side (``grad_bytes``) and the time side (bytes on the wire) share."""
+        return self.grad_bytes if self.reduce_bytes is None else self.reduce_bytes
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit parameters and gradients: the optimizer step upcasts gradients to fp32."""
+        return self.param_bytes < 4 and self.grad_bytes < 4
 
 
 MIXED_ADAM = Precision(2, 2, 12)  # the paper's setting

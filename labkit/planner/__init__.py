@@ -7,12 +7,26 @@ Read in this order:
 * ``links.py``    which link class (fast inside a node, slow between) each group rides.
 * ``stages.py``   the pipeline cut: blocks and FLOPs of every stage and rank (even or uneven).
 * ``bubble.py``   the pipeline bubble: the closed form, or the simulator's replay.
-* ``plan.py``     enumerate layouts, predict each one's memory per GPU and step time, rank them.
+* ``space.py``    the search space: a candidate (ZeRO 0-3, HSDP, SP, recompute, offload, ...),
+                  its prediction (fits, risky), their enumeration, the bytes each puts on the wire.
+* ``memory.py``   memory per GPU: ``labkit.memory.estimate``'s model with a candidate's inputs.
+* ``roofline.py`` a GEMM's time from its shape on the card's roofline (``data/chips.json``:
+                  peak, HBM, the efficiency curve's constants, each with its source).
+* ``timing.py``   one layer's GEMMs, attention (explicit or flash), elementwise traffic and
+                  recompute per policy; the head; the optimizer step.
+* ``steptime.py`` one iteration's named terms: compute, bubble, tp / pp / dp communication
+                  (overlap, bytes as the recipe keeps them), optimizer.
+* ``single_constant.py``  the old one-efficiency time model, kept as the negative control.
+* ``plan.py``     predict each candidate's memory per GPU and step time, rank them.
+* ``budget.py``   the whole run: tokens, 6ND FLOPs, days, GPU-hours, cost, failures and checkpoints.
 * ``table1.py``   the planner against Megatron's Table 1, row by row.
+* ``published.py`` Korthikanti's Table 5 and other published runs as data, sources beside.
+* ``gpu_checks.py`` this project's H200 measurement against the planner's prediction.
 
 No processes anywhere: every number is arithmetic a reader can redo by hand.
 """
 
+from labkit.planner.budget import RunBudget, chinchilla_tokens, run_budget, young_daly_interval
 from labkit.planner.cluster import CLUSTERS, Cluster
 from labkit.planner.flops import (
     MEGATRON_TABLE1,
@@ -36,12 +50,16 @@ __all__ = [
     "Candidate",
     "Cluster",
     "Prediction",
+    "RunBudget",
     "TableRow",
     "achieved_flops_per_gpu",
+    "chinchilla_tokens",
     "compare_table1",
     "enumerate_candidates",
     "megatron_flops_per_iteration",
     "plan",
     "predict",
+    "run_budget",
     "training_days",
+    "young_daly_interval",
 ]

@@ -30,6 +30,9 @@ class Cluster:
     intra_latency: float = 5e-6
     inter_latency: float = 10e-6
     name: str = ""
+    # HBM bytes/s per GPU, data sheet (the roofline's memory side, ``roofline.py``); the
+    # default is the A100 80GB's 2,039 GB/s
+    mem_bandwidth: float = 2.039e12
 
     def __post_init__(self) -> None:
         fields = {
@@ -39,6 +42,7 @@ class Cluster:
             "peak_flops": self.peak_flops,
             "intra_bandwidth": self.intra_bandwidth,
             "inter_bandwidth": self.inter_bandwidth,
+            "mem_bandwidth": self.mem_bandwidth,
         }
         bad = {k: v for k, v in fields.items() if not v > 0}
         if bad:
@@ -71,6 +75,7 @@ CLUSTERS: dict[str, Cluster] = {
         intra_bandwidth=300 * GB,
         inter_bandwidth=25 * GB,
         name="DGX A100 80GB",
+        mem_bandwidth=2.039e12,  # A100 80GB SXM data sheet: 2,039 GB/s HBM2e
     ),
     # The same A100 nodes on a slow network: one 100 Gb/s Ethernet port per node (12.5 GB/s,
     # shared by 8 GPUs: 1.56 GB/s each) and TCP's higher latency; NVLink unchanged inside.
@@ -83,6 +88,7 @@ CLUSTERS: dict[str, Cluster] = {
         inter_bandwidth=12.5 * GB / 8,
         inter_latency=30e-6,
         name="A100 80GB, 1 x 100 Gb/s Ethernet per node",
+        mem_bandwidth=2.039e12,
     ),
     # DGX H100: NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s NDR (50 GB/s per GPU),
     # 989 TFLOP/s dense bf16 (SXM).
@@ -94,5 +100,18 @@ CLUSTERS: dict[str, Cluster] = {
         intra_bandwidth=450 * GB,
         inter_bandwidth=50 * GB,
         name="DGX H100 80GB",
+        mem_bandwidth=3.35e12,  # H100 SXM data sheet: 3.35 TB/s HBM3
+    ),
+    # DGX H200: the H100's die and links with 141 GB of HBM3e at 4.8 TB/s (data sheet); the
+    # card this project measured reports 139.8 GiB to torch (docs/gpu_check_h200.json).
+    "dgx-h200": Cluster(
+        nodes=1,
+        gpus_per_node=8,
+        memory_bytes=139.8 * 2**30,
+        peak_flops=989e12,
+        intra_bandwidth=450 * GB,
+        inter_bandwidth=50 * GB,
+        name="DGX H200 141GB",
+        mem_bandwidth=4.8e12,
     ),
 }

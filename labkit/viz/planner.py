@@ -2,18 +2,23 @@
 the cluster (nodes, GPUs per node, memory, link bandwidths) and the model size.
 
 The widget only calls :func:`labkit.planner.plan`; every number it shows is the planner's.
+Pure helpers a test checks: :func:`why_nothing_fits` (an empty result explained) and
+:func:`why_slower` (what a runner-up loses to the choice, term by term).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from labkit.models.gpt import GPTConfig
 from labkit.planner import CLUSTERS, Cluster, Prediction, plan
+from labkit.viz.table import Column, format_table
 
 __all__ = [
-    *("MODEL_SHAPES", "PlannerWidget", "format_plan", "gpt_of_size", "no_layout_reason"),
-    "plan_3d",
+    *("COLUMNS_DEFINED", "FULL_SEARCH", "MODEL_SHAPES", "PlannerWidget", "format_plan"),
+    *("gpt_of_size", "no_layout_reason", "plan_3d", "plan_full", "why_nothing_fits"),
+    "why_slower",
 ]
 
 # GPT shapes by size (billions of parameters): (layers, hidden, heads); Megatron's Table 1
@@ -26,8 +31,23 @@ MODEL_SHAPES: dict[int, tuple[int, int, int]] = {
     100: (80, 10240, 80),
     146: (80, 12288, 96),
 }
+# what a learner chooses by hand (exercise 08): degrees, micro-batch, ZeRO 0-3, recompute, v
 SEARCH = dict(
-    micro_batches=(1, 2, 4), zero_stages=(0, 1), recompute=("full", "selective"), virtual=(1, 2)
+    micro_batches=(1, 2, 4), zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"),
+    virtual=(1, 2),
+)
+# and the rest of the space: sequence parallelism beside tp, HSDP (ZeRO inside a node)
+FULL_SEARCH = dict(SEARCH, sp=(False, True), shard_groups=("dp", "node"))
+COLUMNS_DEFINED = (
+    "GB/GPU: predicted peak bytes per GPU of the charged pipeline rank (labkit.memory.per_gpu,"
+    " the model labkit.memory.estimate uses; 1 GB allowance included); states: parameters,"
+    " gradients and optimizer state; acts: activations. fits: GB/GPU <= the card; risky (!):"
+    " fits by less than 5%, x: does not fit, *: the choice (the fastest safe fit). step s: the"
+    " planner's predicted iteration (labkit.planner.plan.predict: compute by the card's"
+    " roofline, its efficiency curve and every source in docs/planner.md; bubble;"
+    " exposed communication); comm: tp + pp + dp communication. MFU: model"
+    " FLOPs (Megatron's count without recompute) / (step x GPUs x peak FLOP/s); HFU: the FLOPs"
+    " the hardware runs, recompute included, over the same."
 )
 
 
@@ -39,43 +59,109 @@ def gpt_of_size(billions: int, vocab: int = 51_200, seq: int = 2_048) -> GPTConf
     return GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=hidden)
 
 
+def _safe_first(preds: list[Prediction]) -> list[Prediction]:
+    """Fits with >= 5% headroom first, then risky fits, then the rest; fastest first in each."""
+    return sorted(preds, key=lambda r: (not r.fits, r.risky))  # stable: plan's order inside
+
+
+@functools.lru_cache(maxsize=32)
+def _planned(cfg: GPTConfig, cluster: Cluster, global_batch: int, full: bool) -> tuple:
+    search = FULL_SEARCH if full else SEARCH
+    return tuple(_safe_first(plan(cfg, cluster, global_batch, **search)))  # type: ignore[arg-type]
+
+
 def plan_3d(cfg: GPTConfig, cluster: Cluster, global_batch: int) -> list[Prediction]:
-    """The planner over the issue's whole space: dp, tp, pp, micro-batch, ZeRO 0/1, full or
-    selective recompute, 1 or 2 virtual stages."""
-    return plan(cfg, cluster, global_batch, **SEARCH)  # type: ignore[arg-type]
+    """The planner over what a learner picks: dp, tp, pp, micro-batch, ZeRO 0-3, recompute
+    none/selective/full, 1 or 2 virtual stages; safe fits first (:func:`_safe_first`).
+    Cached (pure arithmetic on frozen inputs): a widget returning to a setting is free."""
+    return list(_planned(cfg, cluster, global_batch, False))
+
+
+def plan_full(cfg: GPTConfig, cluster: Cluster, global_batch: int) -> list[Prediction]:
+    """:func:`plan_3d`'s space plus sequence parallelism and HSDP."""
+    return list(_planned(cfg, cluster, global_batch, True))
+
+
+def _comm(r: Prediction) -> float:
+    return sum(v for k, v in r.time.items() if k.endswith("_comm"))
+
+
+def _states(r: Prediction) -> float:
+    return r.memory["parameters"] + r.memory["gradients"] + r.memory["optimizer"]
 
 
 def format_plan(preds: list[Prediction], top: int = 8, memory_gb: float | None = None) -> str:
-    """The best ``top`` rows as a fixed-width table: layout, memory per GPU (each part),
-    step time (each part), MFU; the first row marked as the choice."""
-    head = (f"{'':2}{'dp':>3}{'tp':>4}{'pp':>4}{'mb':>4}{'zero':>5}{'recomp':>10}{'v':>3}"
-            f"{'GB/GPU':>8}{'states':>8}{'acts':>7}{'step s':>8}{'bubble':>8}{'comm':>7}"
-            f"{'MFU':>6}")  # fmt: skip
-    lines = [head]
+    """The best ``top`` rows (:mod:`labkit.viz.table`): layout, memory per GPU (states,
+    activations), step time (bubble, communication), MFU; marks: * the choice, ! risky,
+    x does not fit. Below: how many fit, and why none does when none does."""
+    cols = [
+        Column(""), Column("dp"), Column("tp"), Column("pp"), Column("mb"), Column("ZeRO"),
+        Column("recompute"), Column("v"), Column("sp"),
+        Column("GB/GPU", fmt=".1f", scale=1e-9), Column("states", "GB", ".1f", 1e-9),
+        Column("acts", "GB", ".1f", 1e-9), Column("step", "s", ".2f"),
+        Column("bubble", "s", ".2f"), Column("comm", "s", ".2f"), Column("MFU", fmt=".2f"),
+        Column("HFU", fmt=".2f"),
+    ]  # fmt: skip
+    rows = []
     for i, r in enumerate(preds[:top]):
-        c, mem, t = r.candidate, r.memory, r.time
-        states = mem["parameters"] + mem["gradients"] + mem["optimizer"]
-        comm = t["tp_comm"] + t["pp_comm"] + t["dp_comm"]
-        mark = "* " if i == 0 and r.fits else ("x " if not r.fits else "  ")
-        lines.append(
-            f"{mark}{c.dp:>3}{c.tp:>4}{c.pp:>4}{c.micro_batch:>4}{c.zero:>5}{c.recompute:>10}"
-            f"{c.virtual:>3}{r.memory_total / 1e9:>8.1f}{states / 1e9:>8.1f}"
-            f"{mem['activations'] / 1e9:>7.1f}{r.step_seconds:>8.2f}{t['bubble']:>8.2f}"
-            f"{comm:>7.2f}{r.mfu:>6.2f}"
-        )
+        c = r.candidate
+        mark = "x" if not r.fits else ("*" if i == 0 and not r.risky else ("!" if r.risky else ""))
+        zero = f"{c.zero}" + ("h" if c.shard_group == "node" else "") + (
+            "o" if c.offload != "none" else "")  # fmt: skip
+        rows.append([mark, c.dp, c.tp, c.pp, c.micro_batch, zero, c.recompute, c.virtual,
+                     "y" if c.sp else "", r.memory_total, _states(r), r.memory["activations"],
+                     r.step_seconds, r.time.get("bubble", 0.0), _comm(r), r.mfu,
+                     r.hfu])  # fmt: skip
+    lines = [format_table(cols, rows)] if rows else []
     fits = sum(r.fits for r in preds)
     cap = f" of {memory_gb:.0f} GB" if memory_gb else ""
     lines.append(
-        f"{fits} of {len(preds)} layouts fit{cap}; * = the planner's choice, x = does not fit"
+        f"{fits} of {len(preds)} layouts fit{cap}; * choice, ! risky (< 5% free), "
+        "x does not fit; ZeRO 1h-3h: HSDP (that stage inside a node), o: CPU offload"
     )
     if preds and not fits:
-        least = min(r.memory_total for r in preds)
-        lines.append(
-            f"none fits: the smallest layout needs {least / 1e9:.1f} GB per GPU{cap and ','}"
-            f"{cap.replace(' of', '') and ' over the' + cap.replace(' of', '')}"
-            "; add GPUs or memory per GPU"
-        )
+        lines.append(why_nothing_fits(preds, memory_gb * 1e9 if memory_gb else None))
     return "\n".join(lines)
+
+
+def why_nothing_fits(preds: list[Prediction], capacity: float | None = None) -> str:
+    """Why no candidate fits, from the smallest one's parts ("" when some candidate fits):
+    what it needs against the card, its model states alone (at its dp and ZeRO stage) and
+    its activations, and what would help that the search did not already try."""
+    if not preds or any(r.fits for r in preds):
+        return ""
+    cap = capacity or preds[0].capacity
+    r = min(preds, key=lambda p: p.memory_total)
+    c, states = r.candidate, _states(r)
+    zeros = {p.candidate.zero for p in preds}
+    tries = []
+    if states > cap:
+        tries += [] if 3 in zeros else ["ZeRO-3 (shards parameters and gradients too)"]
+        tries += ["more tp x pp", "more GPUs"]
+    else:
+        rcs = {p.candidate.recompute for p in preds}
+        tries += [] if "full" in rcs else ["full recompute"]
+        tries += ["sequence parallelism", "a smaller micro-batch", "more GPUs"]
+    shard = " (HSDP)" if c.shard_group == "node" else ""
+    return (
+        f"none fits: the smallest layout needs {r.memory_total / 1e9:.1f} GB of "
+        f"{cap / 1e9:.0f} (dp={c.dp} tp={c.tp} pp={c.pp} micro-batch {c.micro_batch}, "
+        f"ZeRO-{c.zero}{shard}, {c.recompute} recompute): model states alone "
+        f"{states / 1e9:.1f} GB at dp={c.dp} with ZeRO-{c.zero}, activations "
+        f"{r.memory['activations'] / 1e9:.1f} GB, workspace {r.memory['workspace'] / 1e9:.1f}"
+        " GB; try " + ", ".join(tries)
+    )
+
+
+def why_slower(pred: Prediction, best: Prediction) -> str:
+    """What ``pred`` loses to ``best``: does not fit / risky, or the time terms it pays more
+    for (largest first), from the two predictions."""
+    if not pred.fits:
+        return f"does not fit ({pred.memory_total / 1e9:.1f} GB of {pred.capacity / 1e9:.0f})"
+    diff = {k: pred.time.get(k, 0.0) - best.time.get(k, 0.0) for k in pred.time}
+    worse = sorted((d, k) for k, d in diff.items() if d > 0.005 * best.step_seconds)[::-1]
+    text = ", ".join(f"{k} +{d:.2f} s" for d, k in worse[:2]) or "a near-tie"
+    return text + (f"; risky ({pred.memory_total / 1e9:.1f} GB)" if pred.risky else "")
 
 
 def no_layout_reason(cfg: GPTConfig, cluster: Cluster, global_batch: int) -> str:

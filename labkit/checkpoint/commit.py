@@ -1,0 +1,146 @@
+"""The commit protocol shared by synchronous and asynchronous saves, with no collective after
+the start, so it can run in a background thread while training runs collectives.
+
+``save_checkpoint`` (``sharded.py``) commits with a barrier and an ``all_gather_object``.
+A background writer cannot: a collective issued from a second thread interleaves with the
+training thread's collectives in a different order on different ranks (NCCL would hang,
+gloo would pair the wrong messages). So the ranks meet through the shared filesystem instead:
+
+1. :func:`prepare` (the main thread, collective, once per save): rank 0 restores a displaced
+   ``.prev-step_N``, clears debris of a crashed save of this step and creates
+   ``.tmp-step_N/``; a barrier; from here on no rank communicates about this save;
+2. :func:`write_part` (every rank, any thread): its files, each fsynced, then
+   ``part_RRRRR.json`` (their sizes and sha256, and what the rank wrote) written under a
+   temporary name and renamed: a part file exists only once everything it describes is durable;
+3. :func:`commit` (rank 0, any thread): waits until all ``world_size`` part files exist, merges
+   them into ``metadata.json`` (written last, fsynced), renames the folder to ``step_N`` -- the
+   atomic commit -- and prunes old checkpoints, exactly as ``sharded.py`` describes.
+
+A crash at any instant before the rename leaves a ``.tmp-*`` folder that readers ignore, so
+the previous committed step stays the newest; a rank that dies before its part appears makes
+rank 0's :func:`commit` time out with the missing ranks named, and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from labkit.checkpoint.layout import (
+    PREV,
+    STEP_DIR,
+    CheckpointError,
+    fsync_dir,
+    restore_displaced,
+    step_dir,
+    write_durable,
+)
+
+__all__ = ["Fault", "commit", "part_name", "prepare", "prune", "rank_and_size", "write_part"]
+
+Fault = Callable[[str], None]  # fault(point): a test hook; raises or kills at "written", ...
+
+
+def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def part_name(rank: int) -> str:
+    return f"part_{rank:05d}.json"
+
+
+def prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
+    """Collective over ``group``: the empty ``.tmp-step_N`` folder every rank writes into, and
+    the ``step_N`` it will become. Returns (tmp, final)."""
+    rank, world = rank_and_size(group)
+    tmp, final = root / f".tmp-step_{step:08d}", step_dir(root, step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        restore_displaced(root)  # before pruning can count (or delete) anything
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of this step
+        tmp.mkdir()
+    if world > 1:
+        dist.barrier(group)
+    return tmp, final
+
+
+def write_part(
+    tmp: Path, rank: int, files: dict[str, bytes], record: dict[str, Any], fault: Fault | None
+) -> None:
+    """Write this rank's ``files`` durably, then its part record (sizes, sha256, ``record``)."""
+    written = {name: write_durable(tmp / name, data) for name, data in files.items()}
+    if fault is not None:
+        fault("written")  # shards durable, part record not yet: a crash here commits nothing
+    part = tmp / part_name(rank)
+    scratch = part.with_suffix(".json.partial")
+    write_durable(scratch, json.dumps({"rank": rank, "files": written, **record}).encode())
+    os.rename(scratch, part)  # the part appears whole or not at all
+
+
+def _wait_parts(tmp: Path, world: int, timeout: float, abort: threading.Event | None) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    names = [part_name(r) for r in range(world)]
+    while True:
+        missing = [r for r, n in enumerate(names) if not (tmp / n).is_file()]
+        if not missing:
+            return [json.loads((tmp / n).read_text()) for n in names]
+        if (abort is not None and abort.is_set()) or time.monotonic() > deadline:
+            raise CheckpointError(
+                f"not committing {tmp}: ranks {missing} of {world} never wrote their part "
+                f"within {timeout:.0f} s (a rank died or was interrupted mid-save)"
+            )
+        time.sleep(0.002)
+
+
+def commit(
+    root: Path,
+    tmp: Path,
+    final: Path,
+    world: int,
+    merge: Callable[[list[Any]], dict[str, Any]],
+    *,
+    keep: int,
+    timeout: float = 600.0,
+    fault: Fault | None = None,
+    abort: threading.Event | None = None,
+) -> Path:
+    """Rank 0: wait for every part, write ``merge(parts)`` as ``metadata.json``, rename."""
+    parts = _wait_parts(tmp, world, timeout, abort)
+    meta = merge(parts)
+    meta["files"] = {k: v for p in parts for k, v in p["files"].items()}
+    write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
+    fsync_dir(tmp)
+    if fault is not None:
+        fault("before_commit")
+    prev = root / f"{PREV}{final.name}"
+    if final.exists():  # re-saving a step (after resuming from an older one)
+        os.rename(final, prev)  # still readable as step N until the commit below
+    os.rename(tmp, final)  # the commit
+    fsync_dir(root)
+    shutil.rmtree(prev, ignore_errors=True)
+    prune(root, keep)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` committed steps; old ones become ``.trash-*`` before deletion
+    (a half-deleted folder never looks like a checkpoint). A ``.tmp-step_M`` is debris of a
+    crashed save only when M is not newer than the newest commit (saves run one at a time)."""
+    committed = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name))
+    for old in committed[:-keep]:
+        os.rename(old, root / f".trash-{old.name}-{time.time_ns()}")
+    newest = committed[-1].name if committed else ""
+    stale = [t for t in root.glob(".tmp-step_*") if t.name.removeprefix(".tmp-") <= newest]
+    for debris in [*root.glob(".trash-*"), *stale]:
+        shutil.rmtree(debris, ignore_errors=True)

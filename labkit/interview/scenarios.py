@@ -1,0 +1,142 @@
+"""The four design scenarios' configurations, each in one place, with the one call that plans it.
+
+A number two notebooks show must come from one labkit function with one configuration: the
+lesson that measures a scenario and notebook 13's walkthrough of it both import the scenario
+from here and call its method, so a change to the planner, the memory estimate or the
+configuration reaches both (``tests/test_one_source.py`` checks that they do, and agree).
+
+* **S3, 1.3B** (notebook 11): ``gpt2-1.3b``, one 2,048-token sequence per GPU, bf16 with fp32
+  Adam, SDPA attention, 8 GPUs of 24 GB; :func:`labkit.memory.estimate.estimate` per ZeRO
+  stage; the choice is the first rung of DDP, ZeRO-1, -2, -3 that fits (pitfall P3).
+* **S4, BERT** (notebook 09): the gradient bytes of BERT-base/large
+  (:func:`labkit.labs.bert4nodes.gradient_bytes`) all-reduced on 4 nodes x 8 GPUs, NVLink
+  inside and 100 Gb/s Ethernet between (stated alpha-beta: 5 us + 150 GB/s, 20 us +
+  12.5 GB/s per node), flat ring against hierarchical
+  (:func:`labkit.labs.bert4nodes.allreduce_times`).
+* **S5, 10B** (notebook 10): :data:`labkit.labs.mixed_links.GPT_10B` on 4 nodes of
+  ``a100-80gb-eth100``, 256 sequences a step; :func:`labkit.labs.mixed_links.rank_layouts`.
+* **S6, 100B** (notebook 08): ``gpt_of_size(100)`` on 8 ``dgx-a100-80gb`` nodes, 512 sequences
+  a step; :func:`labkit.viz.planner.plan_3d`.
+
+Each ``plan``/``ladder``/``allreduce`` call is cached: the walkthrough and a test can ask again
+for free, and the answer is the same object the lesson printed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from labkit.collectives.cost_model import AlphaBeta
+from labkit.labs import bert4nodes
+from labkit.labs.mixed_links import GPT_10B, rank_layouts
+from labkit.memory.estimate import MemoryEstimate, TrainSetup, estimate
+from labkit.memory.model import STAGES
+from labkit.models.bert import bert_preset
+from labkit.models.gpt import GPTConfig, preset
+from labkit.planner import CLUSTERS, Cluster, Prediction
+from labkit.viz.planner import gpt_of_size, plan_3d
+
+__all__ = ["BERT_4NODES", "GPT_1P3B", "GPT_10B_MIXED", "GPT_100B_3D", "SCENARIOS"]
+
+
+@dataclass(frozen=True)
+class MemoryScenario:
+    """S3: a model that does not fit one GPU with its training state; climb the ZeRO ladder."""
+
+    model: str  # a labkit.models.gpt preset name
+    micro_batch: int
+    gpus: int
+    card_bytes: float  # memory of one GPU
+    lesson: str
+
+    @property
+    def cfg(self) -> GPTConfig:
+        return preset(self.model)
+
+    def setup(self, **changes: object) -> TrainSetup:
+        """The lesson's per-GPU setup (bf16 + fp32 Adam, SDPA, no recompute) with ``changes``."""
+        return TrainSetup(micro_batch=self.micro_batch, dp=self.gpus).with_(**changes)
+
+    def ladder(self) -> dict[str, MemoryEstimate]:
+        """Every ZeRO stage's per-GPU estimate at this scenario's shape (cached)."""
+        return _ladder(self)
+
+    def choice(self) -> str:
+        """The first stage that fits ``card_bytes``, or ``"model parallel"`` when none does."""
+        return next((s for s, e in self.ladder().items() if e.fits(self.card_bytes)),
+                    "model parallel")  # fmt: skip
+
+
+@functools.cache
+def _ladder(s: MemoryScenario) -> dict[str, MemoryEstimate]:
+    return {stage: estimate(s.cfg, s.setup(zero=stage)) for stage in STAGES}
+
+
+@dataclass(frozen=True)
+class PlannerScenario:
+    """S5 and S6: a GPT on a cluster at a global batch, ranked by the lesson's planner call."""
+
+    name: str
+    cluster_name: str
+    nodes: int
+    global_batch: int  # sequences per step
+    lesson: str
+    search: str  # "rank_layouts" (notebook 10) or "plan_3d" (notebook 08)
+
+    @property
+    def cfg(self) -> GPTConfig:
+        return GPT_10B if self.name == "10B" else gpt_of_size(100)
+
+    @property
+    def cluster(self) -> Cluster:
+        return CLUSTERS[self.cluster_name].with_nodes(self.nodes)
+
+    def plan(self) -> list[Prediction]:
+        """The lesson's ranking (cached): what fits first, fastest first."""
+        return _plan(self)
+
+    def choice(self) -> Prediction:
+        return self.plan()[0]
+
+
+@functools.cache
+def _plan(s: PlannerScenario) -> list[Prediction]:
+    if s.search == "rank_layouts":
+        return rank_layouts(s.cfg, s.cluster, s.global_batch)
+    return plan_3d(s.cfg, s.cluster, s.global_batch)
+
+
+@dataclass(frozen=True)
+class CommScenario:
+    """S4: BERT's gradient all-reduce across nodes, flat ring against hierarchical."""
+
+    nodes: int
+    gpus_per_node: int
+    intra: AlphaBeta  # stated: NVLink inside a node
+    inter: AlphaBeta  # stated: 100 Gb/s Ethernet per node
+    lesson: str
+
+    def gradient_bytes(self, model: str = "bert-base", scheme: str = "fp32") -> int:
+        return _gradient_bytes(model, scheme)
+
+    def allreduce(self, model: str = "bert-base", scheme: str = "fp32") -> dict[str, float]:
+        """Seconds of one all-reduce of ``model``'s gradients: ``{"flat ring", "hierarchical"}``."""
+        return bert4nodes.allreduce_times(
+            self.gradient_bytes(model, scheme), self.nodes, self.gpus_per_node, self.intra,
+            self.inter,
+        )  # fmt: skip
+
+
+@functools.cache
+def _gradient_bytes(model: str, scheme: str) -> int:
+    return bert4nodes.gradient_bytes(bert_preset(model), scheme)  # builds BERT on meta: cache
+
+
+GPT_1P3B = MemoryScenario("gpt2-1.3b", micro_batch=1, gpus=8, card_bytes=24e9, lesson="11")
+BERT_4NODES = CommScenario(
+    4, 8, AlphaBeta(5e-6, 1 / 150e9), AlphaBeta(2e-5, 1 / 12.5e9), lesson="09"
+)
+GPT_10B_MIXED = PlannerScenario("10B", "a100-80gb-eth100", 4, 256, "10", "rank_layouts")
+GPT_100B_3D = PlannerScenario("100B", "dgx-a100-80gb", 8, 512, "08", "plan_3d")
+SCENARIOS = {"S3": GPT_1P3B, "S4": BERT_4NODES, "S5": GPT_10B_MIXED, "S6": GPT_100B_3D}

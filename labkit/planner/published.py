@@ -1,0 +1,177 @@
+"""Published training runs as data, each with its source beside it, and the planner against them.
+
+Two kinds of record (all on DGX-class A100 80GB nodes, sequence 2048, Megatron's GPT shape):
+
+* :data:`KORTHIKANTI_TABLE5`: Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models" (arXiv 2205.05198), Table 3 (the four models and their layouts)
+  and Table 5 (iteration seconds with full recompute, and with sequence parallelism plus
+  selective recompute). MFU and HFU follow from those seconds by the paper's formulas: model
+  FLOPs ``72 B s l h^2 (1 + s/6h + V/12lh)`` (``flops.megatron_flops_per_iteration`` without
+  recompute); hardware FLOPs add the recomputed forward (full: the 96 factor;
+  selective: the attention core's ``4 B s^2 h`` a layer).
+* :data:`PUBLISHED_RUNS`: other runs with the throughput their authors reported, in the unit
+  they reported it: TFLOP/s per GPU by Megatron's 96-factor count, MFU, or tokens/s per GPU.
+
+``python -m labkit.planner.table1`` prints every comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+from labkit.models.gpt import GPTConfig
+from labkit.planner.cluster import CLUSTERS
+from labkit.planner.flops import A100_PEAK, megatron_flops_per_iteration
+from labkit.planner.plan import Candidate, plan, predict
+
+__all__ = ["KORTHIKANTI_TABLE5", "PUBLISHED_RUNS", "KorthikantiRow", "PublishedRun",
+           "korthikanti_rows", "published_rows"]  # fmt: skip
+
+KORTHIKANTI = "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5"
+
+
+class KorthikantiRow(NamedTuple):
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    full_s: float  # iteration seconds, full recompute
+    selective_s: float  # iteration seconds, sequence parallelism + selective recompute
+
+
+# vocabulary 51,200, sequence 2,048, micro-batch 1 (Table 3)
+KORTHIKANTI_TABLE5: tuple[KorthikantiRow, ...] = (
+    KorthikantiRow("22B", 64, 6144, 48, 8, 1, 8, 4, 1.42, 1.10),
+    KorthikantiRow("175B", 96, 12288, 96, 8, 8, 64, 64, 18.13, 13.75),
+    KorthikantiRow("530B", 128, 20480, 105, 8, 35, 280, 280, 49.05, 37.83),
+    KorthikantiRow("1T", 160, 25600, 128, 8, 64, 512, 512, 94.42, 71.49),
+)
+
+
+class PublishedRun(NamedTuple):
+    name: str
+    vocab: int
+    heads: int
+    hidden: int
+    layers: int
+    gpus: int
+    batch: int
+    layout: tuple[int, int] | None  # (tp, pp) as run; None: not published
+    recipe: dict[str, object]  # the candidate's other fields, and predict's keywords
+    reported: float
+    unit: str  # "tflops96" (Megatron's count, per GPU), "mfu", "tokens/s/gpu"
+    source: str
+    inter_bandwidth: float = 25e9  # bytes/s per GPU between nodes (a DGX A100: 8 x 200 Gb/s)
+
+
+PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        "Megatron 530B on 2240 GPUs", 51200, 128, 20480, 105, 2240, 2240, (8, 35),
+        {"recompute": "selective", "sp": True}, 0.542, "mfu",
+        "Korthikanti et al. 2022, arXiv 2205.05198, abstract: MFU 54.2% with sequence "
+        "parallelism and selective recompute on 2240 A100s (42.1% with full recompute); "
+        "Table 3's layout t=8, p=35, so dp=8 and 280 sequences per pipeline as in Table 5",
+    ),
+    PublishedRun(
+        "BLOOM-176B", 250880, 112, 14336, 70, 384, 2048, (4, 12),
+        {"recompute": "full", "zero": 1, "micro_batch": 2, "uneven": True}, 150.0, "tflops96",
+        "Le Scao et al. 2022, arXiv 2211.05100, section 3.4 (384 A100 80GB, tp=4 pp=12 dp=8, "
+        "ZeRO-1, micro-batch 2, global batch 2048, about 150 TFLOP/s per GPU counted with "
+        "recompute; also the BigScience model card: 'training throughput: about 150 TFLOPs'); "
+        "Megatron-DeepSpeed on Jean Zay, whose nodes have 4 x 100 Gb/s Omni-Path links "
+        "(6.25 GB/s a GPU); vocabulary 250,680 padded to 250,880",
+        6.25e9,
+    ),
+    PublishedRun(
+        "MT-NLG 530B", 51200, 128, 20480, 105, 2240, 1920, (8, 35),
+        {"recompute": "full"}, 126.0, "tflops96",
+        "Smith et al. 2022, arXiv 2201.11990, section 3.3 (280 DGX A100, t=8 p=35 dp=8, "
+        "global batch 1920: 126 TFLOP/s per GPU); DeepSpeed's pipeline engine",
+    ),
+    PublishedRun(
+        "LLaMA-65B", 32000, 64, 8192, 80, 2048, 2048, None,
+        {"recompute": "selective", "sp": True, "attention": "sdpa", "dp_overlap": True,
+         "micro_batches": (1, 2, 4)}, 380.0,
+        "tokens/s/gpu",
+        "Touvron et al. 2023, arXiv 2302.13971, section 2.4: 'around 380 tokens/sec/GPU on "
+        "2048 A100 GPU with 80GB' (layout not published; efficient causal attention, "
+        "sequence parallelism, selective checkpointing, overlapped all-reduces)",
+    ),
+)
+
+
+def _cfg(vocab: int, heads: int, hidden: int, layers: int, attention: str) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, block_size=2048, n_layer=layers, n_head=heads,
+                     n_embd=hidden, attention=attention)  # fmt: skip
+
+
+def korthikanti_rows() -> list[dict[str, object]]:
+    """Per model and recipe: the paper's seconds, MFU and HFU, and the planner's, at the
+    paper's layout (Megatron 2022's explicit attention, no dp overlap)."""
+    out = []
+    for r in KORTHIKANTI_TABLE5:
+        cfg = _cfg(51200, r.heads, r.hidden, r.layers, "explicit")
+        cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(max(1, r.gpus // 8))
+        model = megatron_flops_per_iteration(r.batch, 2048, r.layers, r.hidden, 51200,
+                                             recompute=False)  # fmt: skip
+        for recipe, paper_s in (("full", r.full_s), ("selective", r.selective_s)):
+            hw = (megatron_flops_per_iteration(r.batch, 2048, r.layers, r.hidden, 51200)
+                  if recipe == "full" else model + 4 * r.batch * 2048**2 * r.hidden * r.layers)
+            cand = Candidate(dp=r.gpus // (r.tp * r.pp), tp=r.tp, pp=r.pp, micro_batch=1,
+                             recompute=recipe, sp=recipe == "selective")  # fmt: skip
+            ours = predict(cfg, cluster, r.batch, cand).step_seconds
+            peak = r.gpus * A100_PEAK
+            out.append({
+                "model": r.name, "recipe": recipe, "paper s": paper_s, "planner s": ours,
+                "paper MFU": model / (paper_s * peak), "planner MFU": model / (ours * peak),
+                "paper HFU": hw / (paper_s * peak), "planner HFU": hw / (ours * peak),
+            })  # fmt: skip
+    return out
+
+
+def _reported(run: PublishedRun, seconds: float, cfg: GPTConfig) -> float:
+    """The run's metric from an iteration time, in the unit the run reported."""
+    if run.unit == "tokens/s/gpu":
+        return run.batch * 2048 / seconds / run.gpus
+    recompute = run.unit == "tflops96"
+    flops = megatron_flops_per_iteration(run.batch, 2048, run.layers, run.hidden, run.vocab,
+                                         recompute=recompute)  # fmt: skip
+    per_gpu = flops / seconds / run.gpus
+    return per_gpu / 1e12 if recompute else per_gpu / A100_PEAK
+
+
+def published_rows(top: int = 3) -> list[dict[str, object]]:
+    """Per run: the planner's ranking of (t, p) over its search (the run's recipe), where the
+    published layout ranks, and the metric predicted at that layout (or, when no layout was
+    published, at the planner's first choice) against the reported one."""
+    out = []
+    for run in PUBLISHED_RUNS:
+        kw = dict(run.recipe)
+        attention = str(kw.pop("attention", "explicit"))
+        cfg = _cfg(run.vocab, run.heads, run.hidden, run.layers, attention)
+        cluster = replace(CLUSTERS["dgx-a100-80gb"].with_nodes(run.gpus // 8),
+                          inter_bandwidth=run.inter_bandwidth)  # fmt: skip
+        micro = kw.pop("micro_batches", (kw.pop("micro_batch", 1),))
+        options = {
+            "micro_batches": micro, "recompute": (kw.pop("recompute"),),
+            "zero_stages": (kw.pop("zero", 0),), "sp": (bool(kw.pop("sp", False)),),
+            "uneven": bool(kw.pop("uneven", False)),
+        }  # fmt: skip
+        preds = [r for r in plan(cfg, cluster, run.batch, **options, **kw) if r.fits]
+        ranked = list(dict.fromkeys((r.candidate.tp, r.candidate.pp) for r in preds))
+        at = preds[0] if run.layout is None else next(
+            r for r in preds if (r.candidate.tp, r.candidate.pp) == run.layout)  # fmt: skip
+        got = _reported(run, at.step_seconds, cfg)
+        row: dict[str, object] = {
+            "run": run.name, "layout": run.layout, f"planner top {top}": ranked[:top],
+            "rank": None if run.layout is None else ranked.index(run.layout) + 1,
+            "unit": run.unit, "reported": run.reported, "planner": got,
+            "error": got / run.reported - 1, "source": run.source,
+        }  # fmt: skip
+        out.append(row)
+    return out
