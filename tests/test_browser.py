@@ -154,6 +154,8 @@ def _write_notebook() -> None:
         "name": "python3",
     }
     nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    # 14 opened in the app, without reloading the page (_check_index_link copies it here)
+    nb.cells.append(nbformat.v4.new_markdown_cell(f"[the interview index]({Path(INDEX).name})"))
     WORK.mkdir(parents=True, exist_ok=True)
     # a fresh workspace: a restored one reopens the last run's tabs, and Run All would run
     # whichever of them is in front
@@ -218,7 +220,7 @@ def _text(page, selector: str, timeout: float = 90_000) -> str:
     return page.locator(selector).first.inner_text()
 
 
-def test_widgets_in_a_real_browser():
+def test_widgets_in_a_real_browser(capsys):
     why = _requirements()
     if why:
         if os.environ.get("CI", "").lower() == "true":
@@ -303,6 +305,11 @@ def test_widgets_in_a_real_browser():
 
                 # 3. every drawing idiom of the lessons shows each figure once
                 _check_figures(page)
+
+                # 4. 14 -> 13: an id's link opens 13 at that id's section, not at the top
+                t_link = time.monotonic()
+                link_error = _check_index_link(page)
+                t_link = time.monotonic() - t_link
             except Exception:
                 page.screenshot(path=str(WORK / "failure.png"), full_page=True)
                 print(f"browser test failed; the page is in {WORK / 'failure.png'}")
@@ -316,8 +323,19 @@ def test_widgets_in_a_real_browser():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    print(f"real-browser test: {time.monotonic() - t0:.1f} s; screenshot {WORK / 'widgets.png'}")
-    print("images per lesson idiom:", SHOWN)
+    with capsys.disabled():  # shown under -q too: the issue's closing note asks for it
+        print(
+            f"\nreal-browser test: {time.monotonic() - t0:.1f} s (14 -> 13 link: "
+            f"{t_link:.1f} s); screenshot {WORK / 'widgets.png'}"
+        )
+        print("images per lesson idiom:", ", ".join(f"{k} {v}" for k, v in SHOWN.items()))
+    if link_error is not None and link_error.endswith(ONLY_WHEN_OPEN):
+        # JupyterLab 4.6 applies a #heading= fragment to an open notebook only: on first open
+        # the markdown cells are not rendered yet and no heading is found (the upstream
+        # regression: jupyterlab/jupyterlab#15207). Any other link failure fails the test; once
+        # JupyterLab lands on the section, this passes without a change here.
+        pytest.xfail(link_error)
+    assert link_error is None, link_error  # last: the counts above are reported either way
 
 
 SHOWN: dict[str, int] = {}  # lesson -> images counted in the page (reported by the test)
@@ -336,3 +354,64 @@ def _check_figures(page) -> None:
         got.append((lesson, n, want))
         SHOWN[lesson] = SHOWN.get(lesson, 0) + n
     assert [n for _, n, _ in got] == [w for _, _, w in got], got
+
+
+INDEX, WALKTHROUGHS = "notebooks/14_interview_index.ipynb", "13_interview_walkthroughs.ipynb"
+ONLY_WHEN_OPEN = "the fragment is applied only to an already open notebook"
+LINK_ID = "K11"  # deep in 13: landing at the top is easy to tell apart
+# the section's heading is in view of its notebook's scroller, and that scroller has moved.
+# JupyterLab's sanitizer renames a heading's id to data-jupyter-id.
+IN_VIEW = """id => {
+  const h = document.querySelector(`[data-jupyter-id="${id}"]`) || document.getElementById(id);
+  if (!h || h.offsetParent === null) return false;
+  const sc = h.closest('.jp-WindowedPanel-outer') || h.closest('.jp-Notebook');
+  const r = h.getBoundingClientRect(), s = sc.getBoundingClientRect();
+  return sc.scrollTop > 0 && r.top >= s.top - 1 && r.top < s.bottom; }"""
+
+
+def _index_anchors() -> dict[str, str]:
+    """id -> the heading anchor 14's link for it names (read from 14, not restated here)."""
+    import nbformat
+
+    text = "".join(c.source for c in nbformat.read(ROOT / INDEX, 4).cells)
+    pattern = rf"\[13 · (\w+)[^\]]*\]\({re.escape(WALKTHROUGHS)}#heading=([\w.-]+)\)"
+    return dict(re.findall(pattern, text))
+
+
+def _lands(page, anchor: str, timeout_ms: int) -> bool:
+    try:
+        page.wait_for_function(IN_VIEW, arg=anchor, timeout=timeout_ms)
+    except Exception:  # playwright's TimeoutError: still not in view
+        return False
+    return True
+
+
+def _check_index_link(page) -> str | None:
+    """Open (a copy of) notebook 14, click the link of ``LINK_ID``: 13 must open (a new tab)
+    scrolled so that the section's heading is in view, and 13's first section must not be
+    (negative control). None when it does; else what happened, after a diagnosis: the same
+    link clicked again once 13 is open."""
+    anchors = _index_anchors()
+    anchor, first = anchors[LINK_ID], next(iter(anchors.values()))
+    for name in (INDEX, f"notebooks/{WALKTHROUGHS}"):  # copies: JupyterLab may save what it opens
+        shutil.copy(ROOT / name, WORK / Path(name).name)
+    page.locator(".jp-NotebookPanel:visible a", has_text="the interview index").click()
+    link = page.locator(f".jp-NotebookPanel:visible a[href*='#heading={anchor}']").first
+    link.wait_for(timeout=60_000)
+    _accept_kernel_dialog(page, wait_ms=500)
+    link.click()
+    current = page.locator(".lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel")
+    current.filter(has_text=WALKTHROUGHS).wait_for(timeout=30_000)
+    landed = _lands(page, anchor, 4_000)
+    page.screenshot(path=str(WORK / "index_link.png"))
+    if landed:
+        assert not page.evaluate(IN_VIEW, first), f"13 shows {first} too: the check is wrong"
+        return None
+    page.locator(".lm-TabBar-tab .lm-TabBar-tabLabel", has_text="14_interview_index").click()
+    link.click()  # 13 is open now
+    again = _lands(page, anchor, 4_000)
+    return (
+        f"clicking 14's link to {LINK_ID} (#heading={anchor}) opened 13 at the top, not at "
+        f"the section (screenshot {WORK / 'index_link.png'}); clicking it again once 13 was "
+        + (f"open landed at the section: {ONLY_WHEN_OPEN}" if again else "open did not land")
+    )  # fmt: skip

@@ -7,8 +7,9 @@ matrix, the tolerance arithmetic. Rank tests: one warm-world call per world size
 runs all of that size's configurations in turn; each must equal
 :func:`labkit.parallel.composed_ref.reference` (parameters after every step, losses) within
 its precision's tolerance. A failure names the configuration and its first divergence, after
-every configuration has run. Negative controls: a run that skips the dp gradient average,
-and a reference missing replica 1's micro-batches, are both detected as different.
+every configuration has run. Negative controls: a run that skips the dp gradient average, a
+context-parallel run that averages dense gradients over dp only (not dp x cp), and a reference
+missing replica 1's micro-batches, are all detected as different.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from labkit.parallel.composed_ref import compare, reference, tolerance
 from labkit.parallel.matrix import (
     DIMENSIONS,
     REFUSED,
+    SUITE,
     Combo,
     check_combo,
     covering_array,
@@ -36,21 +38,31 @@ from tests.ranks import run_ranks
 # A seam the issue found by hand (tp on labkit's ring under overlapped DDP on the ring,
 # whose communication thread runs the ring while tp's collectives run on the main thread).
 SEEDS = [Combo(dp="overlapped", dp_comm="ring", tp_comm="ring", tp="2", accum=2)]
-COMBOS = covering_array(SEEDS)
-WRONG = Combo(dp="flat")  # trained with wrong="no_dp_sync": must be detected
+# Every pair of SUITE's values (all but Ulysses), then one Ulysses configuration (time: see
+# docs/composition.md): Ulysses' all-to-all on the cp group beside the experts' all-to-all on
+# the ep group (the same two ranks), under tp and overlapped DDP.
+ULYSSES = Combo(dp="overlapped", tp="2", cp="2-ulysses", ep="2", precision="bf16", accum=2)
+COMBOS = [*covering_array(SEEDS, SUITE), ULYSSES]
+# trained wrong, each must be detected: no dp average at all; at cp = 2, dense gradients
+# averaged over dp (1 rank) instead of dp x cp (each cp rank steps on its half-sequence grads)
+WRONG = [(Combo(dp="flat"), "no_dp_sync"), (Combo(dp="flat", cp="2"), "dp_only")]
 
 
 # ----------------------------------------------------------------------------- pure
 def test_covering_array_covers_every_valid_pair_and_no_refused_one() -> None:
-    assert uncovered_pairs(COMBOS) == set()
-    assert 20 <= len(COMBOS) <= 60, len(COMBOS)  # tens, not the 69,120 of the full product
+    assert uncovered_pairs(COMBOS, SUITE) == set()
+    # of all of DIMENSIONS' pairs, only pairs with Ulysses go uncovered (and it runs once)
+    left = uncovered_pairs(COMBOS)
+    assert left and all("2-ulysses" in (va, vb) for (_, va), (_, vb) in left)
+    assert 20 <= len(COMBOS) <= 60, len(COMBOS)  # tens, not the 1,244,160 of the full product
     for c in COMBOS:
         check_combo(c)  # raises on a refused pair
         for (a, va), (b, vb) in combinations(c.values().items(), 2):
             assert refusal(a, va, b, vb) is None, c.name
-    assert covering_array(SEEDS) == COMBOS  # deterministic
+    assert [*covering_array(SEEDS, SUITE), ULYSSES] == COMBOS  # deterministic
     # negative control: drop one configuration and some pair is left uncovered
-    assert uncovered_pairs(COMBOS[1:]) != set()
+    assert uncovered_pairs(COMBOS[1:], SUITE) != set()
+    assert uncovered_pairs(covering_array(SEEDS)) == set()  # every pair of every value: 38
     # the refused pairs are exactly the complement of the valid ones
     every = {
         ((a, va), (b, vb))
@@ -69,6 +81,12 @@ REFUSED_EXAMPLES = [
     (Combo(dp="zero3", branch=True), "dp='zero3' with branch=True", "same modules"),
     (Combo(pp="interleaved", accum=3), "pp='interleaved' with accum=3", "multiple"),
     (Combo(pp="interleaved", accum=1), "pp='interleaved' with accum=1", "multiple"),
+    (Combo(cp="2", branch=True), "cp='2' with branch=True", "position 0"),
+    (Combo(cp="2-ulysses", branch=True), "cp='2-ulysses' with branch=True", "position 0"),
+    (Combo(tp="2+sp", ep="moe"), "ep='moe' with tp='2+sp'", "replicated over tp"),
+    (Combo(tp="2+sp", ep="2"), "ep='2' with tp='2+sp'", "replicated over tp"),
+    (Combo(dp="zero1", ep="2"), "ep='2' with dp='zero1'", "edp"),
+    (Combo(dp="zero3", ep="2"), "ep='2' with dp='zero3'", "edp"),
 ]
 
 
@@ -130,6 +148,37 @@ def test_split_weight_gradient_accumulates_as_autograd_does() -> None:
     assert fired == ["weight", "bias"]
 
 
+def test_context_parallel_positions_and_sequence_split() -> None:
+    """Each cp rank's tokens and position ids are its zigzag chunks (ring) or its contiguous
+    half (Ulysses); together they are the sequence; a length not divisible by 2 cp is refused."""
+    from labkit.parallel.cp_ep import ShardPositions, split_sequence
+
+    seq = torch.arange(8).view(1, 8)  # (B, T)
+    ring = [split_sequence(seq, 2, r, "ring") for r in range(2)]
+    assert ring[0].tolist() == [[0, 1, 6, 7]] and ring[1].tolist() == [[2, 3, 4, 5]]
+    assert split_sequence(seq, 2, 1, "ulysses").tolist() == [[4, 5, 6, 7]]
+    emb = torch.nn.Embedding(8, 3)
+    shard = ShardPositions(emb, ring[1][0])
+    torch.testing.assert_close(shard(torch.arange(4)), emb.weight[2:6])
+    assert shard.weight is emb.weight  # tied lookups still find the Parameter
+    with pytest.raises(ValueError, match="not divisible by 2 x cp = 4"):
+        split_sequence(torch.arange(6).view(1, 6), 2, 0, "ring")
+
+
+def test_layout_picture_places_cp() -> None:
+    """rank_coords inverts the (pp, dp, cp, tp) numbering: each cp group differs in cp only."""
+    from labkit.parallel.layout import ParallelDegrees, rank_grid
+    from labkit.viz.layout import rank_coords
+
+    d = ParallelDegrees(dp=2, tp=2, pp=2, cp=2, ep=2)
+    coords, grid = rank_coords(d), rank_grid(d)
+    for axis, i in (("pp", 0), ("dp", 1), ("cp", 2), ("tp", 3)):
+        for g in grid[axis]:
+            assert sorted(coords[r][i] for r in g) == list(range(len(g))), (axis, g)
+            assert len({coords[r][:i] + coords[r][i + 1 :] for r in g}) == 1, (axis, g)
+    assert len(rank_coords(ParallelDegrees(dp=2, tp=2))[3]) == 3  # cp = 1: (pp, dp, tp)
+
+
 def test_tolerance_follows_the_precision() -> None:
     assert tolerance(Combo(precision="fp32")) == (2e-5, 2e-5)
     assert tolerance(Combo(precision="bf16")) == (0.5 * 4 * 2**-8, 4 * 2**-8)
@@ -157,9 +206,9 @@ def test_matrix_on_ranks(world: int) -> None:
         except ValueError as exc:  # a generated configuration must be runnable
             failures.append(f"{c.name}: refused before start: {exc}")
     wrong: list[str | None] = [None] * len(runnable)
-    if world == 2:  # the negative control rides along in the cheapest world
-        runnable.append(WRONG)
-        wrong.append("no_dp_sync")
+    if world == 2:  # the negative controls ride along in the cheapest world
+        runnable += [c for c, _ in WRONG]
+        wrong += [w for _, w in WRONG]
     try:
         out = run_ranks(_train, runnable, wrong, world_size=world, timeout=240)
     except Exception as exc:  # noqa: BLE001 - a rank died or hung: name what was running
@@ -173,7 +222,7 @@ def test_matrix_on_ranks(world: int) -> None:
             continue
         if miss is not None:
             failures.append(f"{c.name}: {miss}")
-        elif world == 2 and c.precision == "fp32":
+        elif world == 2 and c.precision == "fp32" and c.cp == "1":
             # negative control: the reference without replica 1's micro-batches differs
             assert compare(c, ranks, reference(c, replicas=1)) is not None, c.name
     assert not failures, (

@@ -71,8 +71,10 @@ def test_tp_comm_by_hand_inside_and_across_nodes() -> None:
     m = 64 // (2 * b)
     act = 2 * b * s * h  # one micro-batch's 16-bit hidden states
     across = predict(GPT_10B, ETH, 64, cand)
+    # the ring crossing a node edge shares the node's port only with the other rings that
+    # cross it: here one per node, so it gets the whole port, 8 per-GPU shares (issue 24)
     slow, fast = (
-        (ETH.inter_latency, 1 / ETH.inter_bandwidth),
+        (ETH.inter_latency, 1 / (8 * ETH.inter_bandwidth)),
         (ETH.intra_latency, 1 / ETH.intra_bandwidth),
     )
     want = layers * m * 4 * ring_all_reduce_time(act, 16, *slow)
@@ -80,7 +82,7 @@ def test_tp_comm_by_hand_inside_and_across_nodes() -> None:
     inside = predict(GPT_10B, ETH, 64, replace(cand, dp=4, tp=8))
     want = layers * m * 4 * ring_all_reduce_time(act, 8, *fast)
     assert inside.time["tp_comm"] == pytest.approx(want / 2)  # m halves: dp doubled
-    assert across.time["tp_comm"] > 50 * inside.time["tp_comm"]
+    assert across.time["tp_comm"] > 30 * inside.time["tp_comm"]
 
 
 def test_hierarchical_dp_comm_by_hand_and_below_the_flat_ring() -> None:
@@ -154,7 +156,9 @@ def test_the_best_layout_keeps_tp_inside_a_node(cluster: Cluster) -> None:
             wrong = predict(GPT_10B, cluster, 256, c, order="dp-tp-pp",
                             dp_collective="hierarchical")  # fmt: skip
             if c.dp * c.tp > cluster.gpus_per_node:
-                assert wrong.time["tp_comm"] > 5 * r.time["tp_comm"], c
+                # a crossing ring gets ranks_per_node per-GPU shares of the uplink (2 or 4
+                # here: 50 or 100 GB/s against NVLink's 300), so at least 2x slower
+                assert wrong.time["tp_comm"] > 2 * r.time["tp_comm"], c
                 checked += 1
             else:
                 assert wrong.time["tp_comm"] == r.time["tp_comm"], c

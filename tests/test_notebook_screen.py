@@ -8,8 +8,9 @@ test runs the same drawing idioms in JupyterLab and counts the images).
   thousands of ``TimedAction(...)`` lines. Widgets (``...Widget(...)``, ``widget``) are the
   exception: showing them is the point.
 - 14's links into 13 use JupyterLab's heading fragments (``#heading=<id>``), which it resolves
-  from the notebook model; a bare ``#<id>`` is looked up in rendered DOM that is not there yet
-  when the notebook opens, so the link lands at the top.
+  from the notebook model; a bare ``#<id>`` is looked up in rendered DOM that may not be
+  there. (On 13's first open JupyterLab 4.6 still lands at the top; the browser test reports
+  it.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import nbformat
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-LESSONS = sorted(p for p in NOTEBOOKS.glob("*.ipynb") if "06" <= p.name[:2] <= "12")
+LESSONS = sorted(NOTEBOOKS.glob("*.ipynb"))
 SHOWN = re.compile(r"(Widget|widget)$")  # a widget as the last expression: meant to show
 
 
@@ -43,7 +44,8 @@ def _bare_last_call(source: str) -> str | None:
         return None
     func = body[-1].value.func
     name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "?")
-    if name in ("print", "display", "show") or SHOWN.search(name):  # these return None
+    # these return None (labkit's quiz prints its questions; World.close ends the ranks)
+    if name in ("print", "display", "show", "quiz", "close") or SHOWN.search(name):
         return None
     return name
 

@@ -237,3 +237,65 @@ def test_06_11_13_agree_on_1p3b_activations_or_name_the_difference():
     assert both in walk
     eleven = "\n".join(c.source for c in _cells(NB / LESSONS["S3"]) if c.cell_type == "markdown")
     assert "SDPA" in eleven  # 11 names the kernel its estimate assumes
+
+
+# K11 (notebook 17): the cadence, the save costs and the reshard 13 prints come from CKPT_100B
+K11_CALLS = {"measure", "intervals", "interval", "wasted", "reshard_reads", "sync_save_seconds",
+             "async_save_seconds", "mtbf_seconds"}  # fmt: skip
+K11_SECOND_SOURCE = {"young_daly_interval", "failure_overhead", "checkpoint_overhead",
+                     "cluster_mtbf_hours", "save_vs_async", "save_checkpoint", "plan_read",
+                     "AsyncCheckpointer"}  # fmt: skip
+FIXED_COST = {"sync_s": 0.2, "async_s": 0.025, "write_s": 0.15, "bytes": 24e6}  # not measured
+
+
+def _k11_numbers_missing(out: str, scenario, cost: dict[str, float]) -> list[str]:
+    """The scenario's intervals (minutes) and time wasted, as the two notebooks' table prints
+    them, that ``out`` lacks."""
+    return [row for s, name, t, w in scenario.intervals(cost)
+            if not re.search(rf"{s}\s+{name}\s+{t / 60:.0f}\s+{w:.2%}", out)
+            for row in [f"{s} {name} {t / 60:.0f} min {w:.2%}"]]  # fmt: skip
+
+
+def _k11_outputs(monkeypatch) -> tuple[str, str]:
+    """13's K11 section and 17's § 6 + S6 cells, run with one fixed measurement."""
+    from labkit.interview import scenarios
+
+    monkeypatch.setattr(scenarios, "save_vs_async", lambda numel: dict(FIXED_COST))
+    walk = _run(_code(_cells(WALK)[:2]) + "\n" + _code(_section(WALK, "K11")), {})
+    cells = [c.source for c in _cells(NB / "17_node_loss.ipynb") if c.cell_type == "code"]
+    measure = next(c for c in cells if "CKPT_100B.measure()" in c)
+    s6 = next(c for c in cells if "CKPT_100B.intervals(cost)" in c)
+    return walk, _run(measure + "\n" + s6, {})
+
+
+def test_13_and_17_take_k11_from_one_scenario(monkeypatch):
+    from labkit.interview.scenarios import CKPT_100B
+
+    walk_code = _code(_section(WALK, "K11"))
+    lesson_code = _code(_cells(NB / "17_node_loss.ipynb"))
+    for name, code in (("13 §K11", walk_code), ("17", lesson_code)):
+        assert _scenario_use(code, "CKPT_100B") & K11_CALLS, f"{name} does not use CKPT_100B"
+    second = _called(walk_code) & K11_SECOND_SOURCE
+    assert not second, f"13 §K11 configures K11 a second time: calls {sorted(second)}"
+    walk, lesson = _k11_outputs(monkeypatch)
+    for out in (walk, lesson):
+        assert not _k11_numbers_missing(out, CKPT_100B, FIXED_COST), out
+        assert f"a synchronous save {CKPT_100B.sync_save_seconds:.0f} s" in out
+        assert f"{CKPT_100B.mtbf_seconds / 86400:.1f} days" in out
+    reads = CKPT_100B.reshard_reads(1000, 8, 7)
+    assert reads[3] == [(3, 71), (4, 72)]  # [375, 500) from [375, 446) and [446, 571)
+    assert sum(n for r in reads for _, n in r) == 1000
+    statement = "new rank 3: 71 from old 3 + 72 from old 4"
+    assert statement in walk
+    # 17 § 8 prints it with the same call, after the drill (not run here: it needs the drill)
+    assert "CKPT_100B.reshard_reads(1000, 8, 7)" in lesson_code
+    # negative controls: another restart cost or write bandwidth is caught in both outputs,
+    # and a walkthrough that calls Young/Daly itself is a second source
+    import dataclasses
+
+    for other in (dataclasses.replace(CKPT_100B, restart_seconds=600.0),
+                  dataclasses.replace(CKPT_100B, write_bandwidth=4e9)):  # fmt: skip
+        assert _k11_numbers_missing(walk, other, FIXED_COST), other
+        assert _k11_numbers_missing(lesson, other, FIXED_COST), other
+    forged = walk_code + "\nyoung_daly_interval(75.0, 33 * 86400)"
+    assert _called(forged) & K11_SECOND_SOURCE == {"young_daly_interval"}

@@ -55,7 +55,11 @@ def test_groups_that_straddle_nodes_ride_the_slow_link() -> None:
     cfg = GPTConfig(vocab_size=1200, block_size=64, n_layer=4, n_head=12, n_embd=96)
     b, m, act = 1, 4, 2 * 64 * 96
     pred = predict(cfg, six, 12, Candidate(dp=3, tp=4, pp=1, micro_batch=b, recompute="none"))
-    want = 4 * m * 4 * ring_all_reduce_time(act, 4, six.inter_latency, 1 / six.inter_bandwidth)
+    # a ring crossing a node edge gets GroupLink.ring_bandwidth, like dp's: the uplink's
+    # per-GPU share x the 2 ranks per node of [4, 5, 6, 7] (issue 24: was the per-GPU share)
+    bw = 2 * six.inter_bandwidth
+    assert tp.ring_bandwidth == bw
+    want = 4 * m * 4 * ring_all_reduce_time(act, 4, six.inter_latency, 1 / bw)
     assert pred.time["tp_comm"] == pytest.approx(want)
     # the dp groups [0, 4, 8] etc. hold 2 ranks on one node and 1 on the other: no two-level
     # all-reduce for a ragged group, a flat ring on the slow link

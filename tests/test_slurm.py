@@ -9,7 +9,11 @@ Skipped, with the reason, where Slurm cannot start (not root, slurm-wlm or munge
 
 from __future__ import annotations
 
+import os
 import re
+import select
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -131,3 +135,52 @@ def test_an_exception_tears_down_daemons_and_running_jobs(tmp_path, job_tag):
     assert netns.leftovers(tag) == []
     assert not any(NETNS_ETC.glob(f"lk-{tag}-*"))
     assert processes_tagged(job_tag) == []  # daemons, slurmstepd and the job's sleeps
+
+
+def test_stale_run_folders_go_at_the_next_start(tmp_path):
+    from labkit.cluster.slurm_reaper import RUN_PREFIX, process_id, sweep_stale_runs
+
+    dead, live, starting = (tmp_path / f"{RUN_PREFIX}{n}" for n in ("dead", "live", "new"))
+    for run in (dead, live, starting):
+        run.mkdir()
+    (dead / "creator").write_text(f"{2**22 + 1} 1")  # above pid_max's default: no such process
+    (live / "creator").write_text(process_id(os.getpid()))
+    assert sweep_stale_runs(tmp_path) == [dead.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, starting.name]
+
+
+HOLD = """
+import sys, time
+from labkit.cluster.slurm import slurm_cluster
+with slurm_cluster(2, env={"LABKIT_TEST_TAG": sys.argv[1]}) as s:
+    print(s.plan.tag, s.run_dir, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_sigkilled_caller_leaves_nothing(job_tag):
+    _slurm_or_skip()
+    env = {**os.environ, "LABKIT_TEST_TAG": job_tag, "PYTHONPATH": str(ROOT)}
+    caller = subprocess.Popen([sys.executable, "-c", HOLD, job_tag], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert caller.stdout is not None
+        ready, _, _ = select.select([caller.stdout], [], [], 60)
+        assert ready, "the cluster did not come up within 60 s"
+        tag, run = caller.stdout.readline().split()
+        names = [p.name() for p in processes_tagged(job_tag)]  # negative control: all there
+        assert {"slurmctld", "munged"} <= set(names) and names.count("slurmd") == 2, names
+        assert netns.leftovers(tag) and any(NETNS_ETC.glob(f"lk-{tag}-*")) and Path(run).is_dir()
+    finally:
+        caller.kill()  # SIGKILL: no finally, no atexit runs in the caller
+        caller.wait()
+
+    def left() -> list[object]:
+        return [*netns.leftovers(tag), *NETNS_ETC.glob(f"lk-{tag}-*"),
+                *([run] if Path(run).exists() else []),
+                *(p.name() for p in processes_tagged(job_tag))]  # fmt: skip
+
+    deadline = time.monotonic() + 10  # at once (about 1 s): the watchdog and the reaper act on EOF
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left() == []

@@ -17,11 +17,14 @@ Client commands run on the head through ``ip netns exec``, which binds
 ``/etc/netns/<namespace>/hosts`` the same way. munge's socket is a file: every namespace
 reaches it.
 
-Teardown on every way out (a job that fails or hangs, an exception, an interrupt, a killed
-caller): every process started here is a member of a :class:`~labkit.launch.lifeline.Lifeline`
-(the daemons, and through the environment the job steps slurmd starts); deleting the run's
-namespaces kills whatever still runs inside them (:func:`labkit.cluster.netns.remove`); the
-``/etc/netns`` entries and, unless the caller chose it, the run's folder are removed.
+Teardown on every way out (a job that fails or hangs, an exception, an interrupt): every
+process started here is a member of a :class:`~labkit.launch.lifeline.Lifeline` (the daemons,
+and through the environment the job steps slurmd starts); deleting the run's namespaces kills
+whatever still runs inside them (:func:`labkit.cluster.netns.remove`); the ``/etc/netns``
+entries and, unless the caller chose it, the run's folder are removed. A SIGKILLed caller:
+the lifeline's watchdog kills the processes, and a :class:`~labkit.cluster.slurm_reaper.Reaper`
+told of every namespace and path before it was made removes them at once; the next start
+sweeps whatever both missed.
 """
 
 from __future__ import annotations
@@ -31,16 +34,15 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.cluster import spec
+from labkit.cluster import netns, spec
 from labkit.cluster.netns import NETNS_DIR, NetnsPlan
-from labkit.cluster.run import cluster_network
+from labkit.cluster.slurm_reaper import Reaper, sweep_stale_runs
 from labkit.launch.lifeline import RUN_ID_VAR, Lifeline
 
 __all__ = ["SlurmCluster", "hosts_file", "slurm_conf", "slurm_cluster", "slurm_unavailable"]
@@ -228,25 +230,33 @@ def slurm_cluster(
     why = slurm_unavailable()
     if why is not None:
         raise RuntimeError(f"cannot start a Slurm cluster here: {why}")
+    netns.sweep_stale()  # first: a stale namespace's /etc/netns entry goes with it below
     sweep_stale_etc()
+    sweep_stale_runs()
+    reaper = Reaper(env)  # announced before created: a SIGKILLed caller's objects go at once
     own_dir = run_dir is None
-    run = Path(tempfile.mkdtemp(prefix="labkit-slurm-")) if own_dir else Path(str(run_dir))
+    run = reaper.own_folder() if own_dir else Path(str(run_dir))
     run.mkdir(parents=True, exist_ok=True)
     run_id = f"slurm-{uuid.uuid4().hex[:8]}"
     full_env = {**os.environ, **(env or {}), RUN_ID_VAR: run_id,
                 "SLURM_CONF": str(run / "slurm.conf")}  # fmt: skip
     etc: list[Path] = []
-    cluster = spec.EmulatedCluster(nodes=nodes, inter_bandwidth=1e9, mode="netns")
+    plan = NetnsPlan.new(nodes, 1e9)
+    spaces = [plan.switch, *(plan.namespace(i) for i in range(nodes))]
+    for ns in spaces:
+        reaper.track("netns", ns)
+        reaper.track("path", NETNS_ETC / ns)
+    reaper.track("path", netns.RECORDS / plan.tag)
+    clean = False
     try:
-        with cluster_network(cluster, nodes) as net:
-            plan = net.plan
-            assert plan is not None  # mode="netns"
+        netns.create(plan)
+        try:
             subprocess.run(["ip", "-n", plan.switch, "addr", "add", f"{HEAD_ADDR}/16", "dev",
                             plan.bridge], check=True, capture_output=True)  # fmt: skip
             # the head talks to itself (clients to slurmctld) over its own loopback
             subprocess.run(["ip", "-n", plan.switch, "link", "set", "lo", "up"], check=True,
                            capture_output=True)  # fmt: skip
-            for ns in [plan.switch, *(plan.namespace(i) for i in range(nodes))]:
+            for ns in spaces:
                 (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
                 etc.append(NETNS_ETC / ns)
                 (NETNS_ETC / ns / "hosts").write_text(hosts_file(plan))
@@ -276,6 +286,9 @@ def slurm_cluster(
                     with contextlib.suppress(Exception):
                         handle.head("scancel", job, timeout=10)
                 lifeline.end([p.pid for p in procs])
+        finally:
+            netns.remove(plan)
+            clean = True  # the namespaces went; the paths below cannot fail
     finally:
         for path in etc:
             shutil.rmtree(path, ignore_errors=True)
@@ -283,3 +296,4 @@ def slurm_cluster(
             NETNS_ETC.rmdir()  # only when empty: another run's entries stay
         if own_dir:
             shutil.rmtree(run, ignore_errors=True)
+        reaper.close(clean)  # a teardown cut short: the reaper finishes it

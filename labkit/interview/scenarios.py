@@ -17,6 +17,13 @@ configuration reaches both (``tests/test_one_source.py`` checks that they do, an
   ``a100-80gb-eth100``, 256 sequences a step; :func:`labkit.labs.mixed_links.rank_layouts`.
 * **S6, 100B** (notebook 08): ``gpt_of_size(100)`` on 8 ``dgx-a100-80gb`` nodes, 512 sequences
   a step; :func:`labkit.viz.planner.plan_3d`.
+* **K11, how often to checkpoint S6** (notebook 17): 100B parameters saved as fp32 weights and
+  Adam's two moments (12 B each, 1.2 TB) by 8 nodes at 2 GB/s each; interruptions at the Llama
+  3 paper's rate (419 unexpected ones in 54 days on 16,384 GPUs) scaled to 64 GPUs; a 5-minute
+  restart; an asynchronous save's stall scaled by the ratio
+  :func:`labkit.measure.node_loss.save_vs_async` measures here; Young/Daly's interval and the
+  time wasted from :mod:`labkit.planner.budget`; a ZeRO shard read back by 7 ranks from 8
+  with :func:`labkit.checkpoint.reshard.plan_read` (S6's "drop to 7 nodes").
 
 Each ``plan``/``ladder``/``allreduce`` call is cached: the walkthrough and a test can ask again
 for free, and the answer is the same object the lesson printed.
@@ -27,17 +34,21 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from labkit.checkpoint.layout import shard_range
+from labkit.checkpoint.reshard import Place, plan_read
 from labkit.collectives.cost_model import AlphaBeta
 from labkit.labs import bert4nodes
 from labkit.labs.mixed_links import GPT_10B, rank_layouts
+from labkit.measure.node_loss import save_vs_async
 from labkit.memory.estimate import MemoryEstimate, TrainSetup, estimate
 from labkit.memory.model import STAGES
 from labkit.models.bert import bert_preset
 from labkit.models.gpt import GPTConfig, preset
 from labkit.planner import CLUSTERS, Cluster, Prediction
+from labkit.planner.budget import failure_overhead, young_daly_interval
 from labkit.viz.planner import gpt_of_size, plan_3d
 
-__all__ = ["BERT_4NODES", "GPT_1P3B", "GPT_10B_MIXED", "GPT_100B_3D", "SCENARIOS"]
+__all__ = ["BERT_4NODES", "CKPT_100B", "GPT_1P3B", "GPT_10B_MIXED", "GPT_100B_3D", "SCENARIOS"]
 
 
 @dataclass(frozen=True)
@@ -133,10 +144,81 @@ def _gradient_bytes(model: str, scheme: str) -> int:
     return bert4nodes.gradient_bytes(bert_preset(model), scheme)  # builds BERT on meta: cache
 
 
+@dataclass(frozen=True)
+class CheckpointScenario:
+    """K11: how often to checkpoint S6's run, and what a node loss reads back (module doc)."""
+
+    params: float
+    bytes_per_param: float  # what a checkpoint holds per parameter
+    gpus: int
+    writers: int  # nodes writing in parallel
+    write_bandwidth: float  # bytes/s per writer
+    interruptions: int  # observed: this many failures ...
+    days: float  # ... in this many days ...
+    on_gpus: int  # ... on this many GPUs
+    restart_seconds: float
+    probe_numel: int  # parameters of the state save_vs_async times on this machine
+    lesson: str
+
+    @property
+    def mtbf_seconds(self) -> float:
+        """The job's MTBF: failure rates of independent GPUs add, so M = days x GPUs / count."""
+        return self.days * 86_400 * self.on_gpus / self.interruptions / self.gpus
+
+    @property
+    def sync_save_seconds(self) -> float:
+        """A synchronous save's stall: the bytes over the writers' summed bandwidth."""
+        return self.params * self.bytes_per_param / (self.writers * self.write_bandwidth)
+
+    def measure(self) -> dict[str, float]:
+        """Sync against async save stalls of ``probe_numel`` parameters, here (not cached)."""
+        return save_vs_async(self.probe_numel)
+
+    def async_save_seconds(self, cost: dict[str, float]) -> float:
+        """An asynchronous save's stall at scale: the sync stall x the measured ratio."""
+        return self.sync_save_seconds * cost["async_s"] / cost["sync_s"]
+
+    def interval(self, save_seconds: float) -> float:
+        return young_daly_interval(save_seconds, self.mtbf_seconds)
+
+    def wasted(self, interval: float, save_seconds: float) -> float:
+        return failure_overhead(interval, save_seconds, self.mtbf_seconds, self.restart_seconds)
+
+    def intervals(self, cost: dict[str, float]) -> list[tuple[str, str, float, float]]:
+        """``(save, interval name, seconds, time wasted)`` for sync and async saves at
+        Young/Daly's interval and at a fixed 30 minutes."""
+        rows = []
+        for name, delta in (("synchronous", self.sync_save_seconds),
+                            ("asynchronous", self.async_save_seconds(cost))):  # fmt: skip
+            for label, t in (("Young/Daly", self.interval(delta)), ("every 30 min", 1800.0)):
+                rows.append((name, label, t, self.wasted(t, delta)))
+        return rows
+
+    def reshard_reads(self, numel: int, old: int, new: int) -> list[list[tuple[int, int]]]:
+        """For each of ``new`` ZeRO ranks, ``[(old rank, elements read)]`` from the flat
+        shards ``old`` ranks saved of a tensor of ``numel`` elements (:func:`plan_read`)."""
+        shape = (numel,)
+        saved = [Place.whole(shape, shard_range(numel, r, old)) for r in range(old)]
+        out = []
+        for rank in range(new):
+            want = Place.whole(shape, shard_range(numel, rank, new))
+            plan, covered = plan_read(saved, want)
+            assert covered == want.numel, (rank, covered, want.numel)  # every shard present
+            reads: dict[int, int] = {}
+            for k, _, _, n in plan:
+                reads[k] = reads.get(k, 0) + n
+            out.append(sorted(reads.items()))
+        return out
+
+
 GPT_1P3B = MemoryScenario("gpt2-1.3b", micro_batch=1, gpus=8, card_bytes=24e9, lesson="11")
 BERT_4NODES = CommScenario(
     4, 8, AlphaBeta(5e-6, 1 / 150e9), AlphaBeta(2e-5, 1 / 12.5e9), lesson="09"
 )
 GPT_10B_MIXED = PlannerScenario("10B", "a100-80gb-eth100", 4, 256, "10", "rank_layouts")
 GPT_100B_3D = PlannerScenario("100B", "dgx-a100-80gb", 8, 512, "08", "plan_3d")
+CKPT_100B = CheckpointScenario(
+    100e9, 12, gpus=64, writers=8, write_bandwidth=2e9, interruptions=419, days=54,
+    on_gpus=16_384, restart_seconds=300.0, probe_numel=2_000_000, lesson="17",
+)  # fmt: skip
 SCENARIOS = {"S3": GPT_1P3B, "S4": BERT_4NODES, "S5": GPT_10B_MIXED, "S6": GPT_100B_3D}

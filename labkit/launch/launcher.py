@@ -143,10 +143,13 @@ class _Job:
         silent = set(range(self.cfg.world_size)) - reported
         if _any_alive(self.run, silent):
             return False
-        # Someone vanished without a word (SIGKILL, OOM, a native abort): give the agent a
-        # moment to record how it died, so the message can name the signal.
+        # Someone vanished without a word (SIGKILL, OOM, a native abort): let the agent record
+        # how it died, so the message can name the signal and blame that rank, not rank 0 of
+        # the silent ones. The agent writes its record once it has stopped the other ranks,
+        # which took over 3 s on 2 cores at a load of 15: wait for the record or the agent's
+        # exit, up to the cap above.
         self.silent_dead = silent
-        return (self.run / "agent_failures.json").exists() or waited > 3.0
+        return (self.run / "agent_failures.json").exists() or self.proc.poll() is not None
 
     def drain(self, block_for: float) -> None:
         # Printing from this (the caller's) thread keeps output in the running cell.

@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from labkit.memory.model import FP32_ADAM, MIXED_ADAM, RECOMPUTE, STAGES, Precision
+from labkit.memory.moe_cp import MoESpec
 from labkit.memory.per_gpu import (
     CATEGORIES,
     GB,
@@ -54,6 +55,7 @@ __all__ = [
     "GIB",
     "PRECISIONS",
     "MemoryEstimate",
+    "MoESpec",
     "TrainSetup",
     "block_params",
     "estimate",
@@ -80,6 +82,8 @@ class TrainSetup:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each rank holds seq / cp positions (ring attention)
+    ep: int = 1  # expert parallelism: E / ep experts a rank (a MoE model only)
     zero: str = "ddp"  # one of labkit.memory.model.STAGES
     precision: str = "bf16"  # one of PRECISIONS
     recompute: str = "none"  # none / selective / full (Korthikanti)
@@ -107,26 +111,32 @@ class TrainSetup:
                 "allowance and grad_chunk_params must be >= 0, "
                 f"got {self.allowance}, {self.grad_chunk_params}"
             )
-        ParallelDegrees(self.dp, self.tp, self.pp)  # validates the degrees
+        ParallelDegrees(self.dp, self.tp, self.pp, cp=self.cp, ep=self.ep)  # validates them
 
     def with_(self, **changes: object) -> TrainSetup:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-def estimate(cfg: GPTConfig, setup: TrainSetup | None = None, **changes: object) -> MemoryEstimate:
+def estimate(
+    cfg: GPTConfig, setup: TrainSetup | None = None, *, moe: MoESpec | None = None,
+    **changes: object,
+) -> MemoryEstimate:  # fmt: skip
     """Per-GPU bytes by category for training ``cfg`` under ``setup``: the one memory model,
-    :func:`labkit.memory.per_gpu.gpu_memory`, with ZeRO over the whole dp group, 1F1B's ``pp``
-    micro-batches in flight and ``cfg.attention`` as the attention kernel."""
+    :func:`labkit.memory.per_gpu.gpu_memory`, with ZeRO over the whole dp group (``dp x cp``:
+    context-parallel ranks hold the same parameters; the experts over ``dp cp / ep``), 1F1B's
+    ``pp`` micro-batches in flight and ``cfg.attention`` as the attention kernel. ``moe``: the
+    model's MoE layers (:class:`~labkit.memory.moe_cp.MoESpec`), needed for ``ep > 1``."""
     setup = (setup or TrainSetup()).with_(**changes) if changes else (setup or TrainSetup())
-    ParallelDegrees(setup.dp, setup.tp, setup.pp).check_model(
-        hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer
-    )
     s = setup.seq or cfg.block_size
+    ParallelDegrees(setup.dp, setup.tp, setup.pp, cp=setup.cp, ep=setup.ep).check_model(
+        hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer, seq=s
+    )
     if s > cfg.block_size:
         raise ValueError(f"seq={s} exceeds the model's block_size={cfg.block_size}")
     prec, elem = PRECISIONS[setup.precision]
     return gpu_memory(
-        cfg, micro_batch=setup.micro_batch, seq=s, shard=setup.dp, tp=setup.tp, pp=setup.pp,
+        cfg, micro_batch=setup.micro_batch, seq=s, shard=setup.dp * setup.cp, tp=setup.tp,
+        pp=setup.pp, cp=setup.cp, ep=setup.ep, moe=moe,
         zero=setup.zero, precision=prec, act_bytes=elem, recompute=setup.recompute,
         sp=setup.sp, attention=cfg.attention,
         offload="optimizer" if setup.offload_optimizer else "none",

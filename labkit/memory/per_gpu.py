@@ -25,6 +25,16 @@ they differ only in the inputs they pass (the planner: Megatron's 18 bytes per p
   step: a chunk of 16-bit gradients upcast to fp32, less the freed activations), plus a
   stated ``allowance`` (library workspaces, allocator slack).
 
+Experts and context parallelism (:mod:`labkit.memory.moe_cp`, which has the arithmetic):
+with a :class:`~labkit.memory.moe_cp.MoESpec` a MoE layer's routed experts are *expert*
+parameters, ``E / ep`` of them a rank, their gradients and optimizer state sharded by ZeRO
+over ``expert_shard`` ranks (default ``shard / ep``: the ``dp cp / ep`` ranks holding the same
+experts), everything else *dense* as before over ``shard`` (the caller passes ``dp x cp``:
+context-parallel ranks hold the same parameters); a MoE layer's activations replace the dense
+MLP's by its routed slots, the capacity factor's padding, the router and a shared expert. With
+``cp > 1`` every activation and the logits cover ``seq / cp`` positions, and the ring's K/V
+buffers in flight join the per-layer transients.
+
 Measured on an H200 (``docs/gpu_check_h200.json``, the 1.3B step, SDPA, micro-batch 24):
 103.5 GiB allocated at peak; this model predicts 109.9 GiB (+6%).
 """
@@ -35,6 +45,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from labkit.memory.model import Precision, activation_bytes_per_layer, model_states
+from labkit.memory.moe_cp import MoESpec, dense_mlp_params, moe_activation_bytes, ring_kv_in_flight
 from labkit.models.gpt import GPTConfig
 
 __all__ = [
@@ -65,7 +76,9 @@ class MemoryEstimate:
     workspace: float
     allowance: float
     host_bytes: float
-    params_per_gpu: int
+    params_per_gpu: int  # dense and expert parameters, before ZeRO
+    expert_params_per_gpu: float = 0.0  # of which the routed experts (E / ep of them)
+    moe_padding: float = 0.0  # activation bytes of the capacity factor's empty slots
 
     @property
     def total(self) -> float:
@@ -139,61 +152,92 @@ def gpu_memory(
     precision: Precision, act_bytes: int, recompute: str, sp: bool, attention: str,
     offload: str = "none", blocks: int | None = None, in_flight: float | None = None,
     grad_chunk_params: int = 64 * 2**20, allowance: float = 0.5 * GIB, stage: str = "fullest",
+    cp: int = 1, ep: int = 1, moe: MoESpec | None = None, expert_shard: int | None = None,
 ) -> MemoryEstimate:  # fmt: skip
-    """Per-GPU bytes (module docstring). ``shard``: the ranks ZeRO shards over; ``blocks``:
-    the most layers one pipeline rank holds (default ``ceil(L/pp)``); ``in_flight``: the
-    micro-batches the first stage stashes (default ``pp``, 1F1B's). ``stage``: which pipeline
-    rank (pp > 1): "fullest" (the larger of the first stage, with the embedding and
-    ``in_flight`` micro-batches, and the last, with the head and one), or exactly one rank
-    holding ``blocks`` layers and ``in_flight`` micro-batches: "first" (the embedding),
-    "middle" or "last" (the head, its logits and their gradient)."""
+    """Per-GPU bytes (module docstring). ``shard``: the ranks ZeRO shards the dense parameters
+    over; ``blocks``: the most layers one pipeline rank holds (default ``ceil(L/pp)``);
+    ``in_flight``: the micro-batches the first stage stashes (default ``pp``, 1F1B's).
+    ``stage``: which pipeline rank (pp > 1): "fullest" (the larger of the first stage, with
+    the embedding and ``in_flight`` micro-batches, and the last, with the head and one), or
+    exactly one rank holding ``blocks`` layers and ``in_flight`` micro-batches: "first" (the
+    embedding), "middle" or "last" (the head, its logits and their gradient). ``cp``, ``ep``,
+    ``moe``, ``expert_shard``: context and expert parallelism (module docstring)."""
     if stage not in STAGE_ROLES:
         raise ValueError(f"stage={stage!r}: expected one of {STAGE_ROLES}")
     if offload not in OFFLOAD:
         raise ValueError(f"offload={offload!r}: expected one of {OFFLOAD}")
-    s, b, t, elem = seq, micro_batch, tp, act_bytes
+    if cp < 1 or seq % cp or (cp > 1 and attention != "sdpa"):
+        raise ValueError(f"cp={cp}, seq={seq}, attention={attention!r}: cp must divide seq, "
+                         "and ring attention is blockwise (attention='sdpa')")  # fmt: skip
+    if ep < 1 or (ep > 1 and (moe is None or moe.n_experts % ep)):
+        raise ValueError(f"ep={ep} needs a MoE model whose experts it divides "
+                         f"(n_experts={moe.n_experts if moe else None})")  # fmt: skip
+    s, b, t, elem = seq // cp, micro_batch, tp, act_bytes  # s: this rank's positions
     n_blocks = math.ceil(cfg.n_layer / pp) if blocks is None else blocks
     role = "fullest" if pp == 1 else stage
     first_p, last_p = stage_params(cfg, t, pp, n_blocks)
     psi = {"fullest": max(first_p, last_p), "first": first_p, "last": last_p,
            "middle": n_blocks * block_params(cfg, t)}[role]  # fmt: skip
-    states = model_states(zero, psi, shard, precision)
+    h, n_moe = cfg.n_embd, moe.moe_blocks(cfg.n_layer, n_blocks) if moe else 0
+    dense_psi, expert_psi, layer_psi = float(psi), 0.0, float(block_params(cfg, t))
+    if moe is not None:  # a MoE layer: dense MLP out, router and shared expert in; experts
+        dense_psi += n_moe * (moe.dense_extra(h, t) - dense_mlp_params(h, t))
+        expert_psi = n_moe * moe.n_experts // ep * moe.expert_params(h, t)
+        layer_psi += moe.dense_extra(h, t) - dense_mlp_params(h, t)
+        layer_psi += moe.n_experts // ep * moe.expert_params(h, t)
+    e_shard = max(1, shard // ep) if expert_shard is None else expert_shard
+    dense = model_states(zero, dense_psi, shard, precision)
+    experts = model_states(zero, expert_psi, e_shard, precision)
+    states = [dense.parameters + experts.parameters, dense.gradients + experts.gradients,
+              dense.optimizer_state + experts.optimizer_state]  # fmt: skip
     off_opt, off_grad = offload != "none", offload == "optimizer+grads"
-    host = (states.optimizer_state if off_opt else 0.0) + (states.gradients if off_grad else 0.0)
+    host = (states[2] if off_opt else 0.0) + (states[1] if off_grad else 0.0)
 
     layer = stored_layer_bytes(cfg, s, b, tp=t, sp=sp, recompute=recompute,
                                attention=attention, act_bytes=elem)  # fmt: skip
-    logits = s * b * -(-cfg.vocab_size // t) * elem  # one (s, b, V/t) tensor
-    stash = (pp if in_flight is None else in_flight) * n_blocks * layer
+    moe_parts = moe_activation_bytes(moe, s * b, h, tp=t, sp=sp, elem=elem) if moe else {}
+    moe_delta = 0.0  # a MoE layer's bytes beyond a dense one's (none under full recompute)
+    if moe and recompute != "full":
+        kept = ("routed", "padding", "router", "shared")
+        moe_delta = sum(moe_parts[k] for k in kept) - moe_parts["replaces"]
+    logits = s * b * -(-cfg.vocab_size // t) * elem  # one (s/cp, b, V/t) tensor
+    body = n_blocks * layer + n_moe * moe_delta
+    stash = (pp if in_flight is None else in_flight) * body
     head = role in ("fullest", "last")  # holds the logits and log-probabilities
     if role == "fullest":
-        last_stage = n_blocks * layer + 2 * logits
-        activations = max(stash, last_stage) if pp > 1 else n_blocks * layer + 2 * logits
+        activations = max(stash, body + 2 * logits) if pp > 1 else body + 2 * logits
     else:
         activations = stash + (2 * logits if head else 0)
 
     # Transients peak at different moments (measured on an H200: adding them up
     # over-predicted the 1.3B step's peak by 15%, taking the larger is within 5%).
-    per_layer = 0.0
+    per_layer = ring_kv_in_flight(s * b, h, tp=t, elem=elem) if cp > 1 else 0.0
     if recompute != "none":  # one layer rebuilt in full (its core too, unless SDPA)
         per_layer += stored_layer_bytes(cfg, s, b, tp=t, sp=sp, attention=attention,
                                         act_bytes=elem)  # fmt: skip
+        per_layer += max(0.0, moe_delta if n_moe else 0.0)
     if zero == "zero3":
-        per_layer += block_params(cfg, t) * precision.param_bytes  # the layer all-gathered
+        per_layer += layer_psi * precision.param_bytes  # the layer all-gathered
     if off_grad:
-        per_layer += block_params(cfg, t) * precision.grad_bytes  # staged before the copy out
+        per_layer += layer_psi * precision.grad_bytes  # staged before the copy out
     step = 0.0
+    total_psi = dense_psi + expert_psi
     if precision.mixed and not off_opt:  # the step upcasts a chunk of gradients to fp32
-        chunk = grad_chunk_params or psi
-        step = 4 * min(chunk, psi / shard if zero != "ddp" else psi)
+        chunk = grad_chunk_params or total_psi
+        own = dense_psi / shard + expert_psi / e_shard if zero != "ddp" else total_psi
+        step = 4 * min(chunk, own)
     work = max(float(logits) if head else 0.0, per_layer, step - activations)
+    stashed = (pp if in_flight is None else in_flight) if role != "last" else 1
+    padding = stashed * n_moe * moe_parts["padding"] if moe_delta else 0.0
     return MemoryEstimate(
-        parameters=states.parameters,
-        gradients=0.0 if off_grad else states.gradients,
-        optimizer_state=0.0 if off_opt else states.optimizer_state,
+        parameters=states[0],
+        gradients=0.0 if off_grad else states[1],
+        optimizer_state=0.0 if off_opt else states[2],
         activations=activations,
         workspace=work + allowance,
         allowance=allowance,
         host_bytes=host,
-        params_per_gpu=psi,
+        params_per_gpu=round(total_psi),
+        expert_params_per_gpu=expert_psi,
+        moe_padding=padding,
     )

@@ -1,9 +1,13 @@
-"""One configuration of the composition matrix on its ranks (dp = 2 x tp x pp), trained for two
-steps; its single-process reference is :mod:`labkit.parallel.composed_ref`.
+"""One configuration of the composition matrix on its ranks (dp x cp = 2, x tp x pp), trained
+for two steps; its single-process reference is :mod:`labkit.parallel.composed_ref`.
 
-The composition order is :func:`labkit.parallel.compose`'s (tp -> activation checkpointing ->
-pipeline -> data parallelism), and the pipeline cut is 3D's (:func:`~labkit.parallel.threed.
-pipeline_hook`), used for pp = 1 too (one stage holding everything). Data parallelism is one of:
+The composition order is :func:`labkit.parallel.compose`'s (experts lifted -> tp -> ep -> cp
+-> activation checkpointing -> pipeline -> data parallelism), and the pipeline cut is 3D's
+(:func:`~labkit.parallel.threed.pipeline_hook`), used for pp = 1 too (one stage holding
+everything); MoE layers become expert-parallel over ep and attention context-parallel over cp inside compose
+(:mod:`labkit.parallel.cp_ep`), each cp rank feeding its chunks of the sequence. Data
+parallelism, over ``dp_cp_group`` (dense gradients average over every rank whose tokens the
+loss counts), is one of:
 
 * a DDP wrapper (naive, flat, bucketed, overlapped) around this rank's stages, with torch's
   AdamW on its parameters: micro-batches accumulate inside ``no_sync()``; with pp = 1 the last
@@ -19,6 +23,9 @@ summed over tp (after the wrapper's dp average, or on ZeRO-2/3's gradient shard,
 is the same on every tp rank); the tied embedding's two gradients are summed over Megatron's
 embedding group (pp = 2); the optimizer steps (fp16: through the loss scaler, which agrees on
 a skipped step over the whole world, since tp and pp ranks hold different gradients).
+At ep = 2 the dp wrapper is built without the experts (:func:`~labkit.parallel.cp_ep.
+hidden_experts`); their gradients are summed over ``edp_group`` and divided by dp x cp after
+the wrapper's sync.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from labkit.parallel.composed_ref import (
     ADAM,
     INIT_SCALE,
     MICRO_BATCH,
+    SEQ,
     STEPS,
     ScaleGrad,
     add_branch,
@@ -46,11 +54,12 @@ from labkit.parallel.composed_ref import (
     batch,
     build_model,
     model_config,
-    norm_name,
 )
+from labkit.parallel.composed_sync import dp_mean, snapshot, sum_sequence_parallel
+from labkit.parallel.cp_ep import hidden_experts, reduce_expert_grads, split_sequence
 from labkit.parallel.layout import ParallelDegrees, build_layout, rank_grid
 from labkit.parallel.matrix import Combo, check_combo
-from labkit.parallel.threed import full_size, pipeline_hook, sum_tied_grads
+from labkit.parallel.threed import pipeline_hook, sum_tied_grads
 from labkit.pipeline.executor import embedding_groups, pipeline_step
 from labkit.pipeline.schedules import make_schedule
 from labkit.pipeline.stages import check_pipeline
@@ -71,7 +80,10 @@ SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh
 
 
 def degrees(combo: Combo) -> ParallelDegrees:
-    return ParallelDegrees(dp=2, tp=combo.tp_degree, pp=combo.pp_degree)
+    cp = combo.cp_degree
+    return ParallelDegrees(
+        dp=2 // cp, tp=combo.tp_degree, pp=combo.pp_degree, cp=cp, ep=combo.ep_degree
+    )
 
 
 def _virtual(combo: Combo) -> int:
@@ -84,7 +96,7 @@ def check(combo: Combo) -> None:
     the cut and schedule against pp."""
     check_combo(combo)
     d, cfg = degrees(combo), model_config(combo)
-    d.check_model(hidden=cfg.n_embd, heads=cfg.n_head, vocab=cfg.vocab_size)
+    d.check_model(hidden=cfg.n_embd, heads=cfg.n_head, vocab=cfg.vocab_size, seq=SEQ)
     if combo.pp != "1":
         check_pipeline(cfg.n_layer, d.pp, combo.accum, SCHEDULE[combo.pp], _virtual(combo))
 
@@ -117,8 +129,9 @@ def _cut(model: Any, pp_group: Any, *, combo: Combo) -> Any:
 def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     """Train ``combo`` for STEPS steps on this rank. Returns ``rank``, ``losses`` (the dp mean,
     None off the last stage) and ``params`` (after each step, full size, named as the
-    reference; on tp rank 0 of each replica, ZeRO-3: of replica 0; else []).
-    ``wrong="no_dp_sync"`` skips the wrapper's gradient average: a negative control."""
+    reference; on tp rank 0 of each replica, ZeRO-3: of replica 0; else []). Negative
+    controls: ``wrong="no_dp_sync"`` skips the wrapper's gradient average; ``"dp_only"``
+    averages dense gradients over dp only, not dp x cp."""
     check(combo)
     d = degrees(combo)
     layout = build_layout(d)
@@ -127,6 +140,7 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
         tpc = TPConfig(sequence_parallel=combo.tp == "2+sp", impl=combo.tp_comm)
     stages: Any = compose(
         build_model(combo, branch=False), layout, tensor_parallel=tpc,
+        experts=combo.ep != "0", context_parallel=combo.cp_attention, seq=SEQ,
         checkpoint="full" if combo.checkpoint else None, pipeline=partial(_cut, combo=combo),
     )  # fmt: skip
     chunks = list(stages.chunks)
@@ -135,13 +149,15 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     trainable = [p for p in stages.parameters() if p.requires_grad]
     ddp: Any = None
     opt: Any = None
+    dense: Any = layout.dp_group if wrong == "dp_only" else layout.dp_cp_group
     if combo.dp in WRAPPERS:
-        comm = Comm(layout.dp_group, combo.dp_comm)
+        comm = Comm(dense, combo.dp_comm)
         extra: dict[str, Any] = {}
         if combo.dp in ("bucketed", "overlapped"):
             extra["bucket_cap_mb"] = BUCKET_MB
         wrapper: Any = WRAPPERS[combo.dp]
-        ddp = wrapper(model, group=layout.dp_group, comm=comm, **extra)
+        with hidden_experts(stages) if combo.ep == "2" else contextlib.nullcontext():
+            ddp = wrapper(model, group=dense, comm=comm, **extra)
         a = ADAM
         opt = torch.optim.AdamW(
             trainable, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay
@@ -149,13 +165,13 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     else:
         stage = combo.dp.split("+")[0]
         opt = make_optimizer(
-            stage, model, ADAM, group=layout.dp_group, comm_impl=combo.dp_comm, scaler=scaler,
+            stage, model, ADAM, group=dense, comm_impl=combo.dp_comm, scaler=scaler,
             prefetch=combo.dp.endswith("prefetch"),
         )  # fmt: skip
     tied = combo.tied and combo.pp != "1"
     emb_group = embedding_groups(rank_grid(d)["pp"], _virtual(combo)) if tied else None
     tp_comm = Comm(layout.tp_group, combo.tp_comm)
-    m, dp_rank = combo.accum, layout.dp_rank
+    m, dp_rank, cp = combo.accum, layout.dp_rank, combo.cp_degree
     try:
         losses, params = [], []
         for step in range(STEPS):
@@ -164,6 +180,11 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
                 list(x[dp_rank * m : (dp_rank + 1) * m]),
                 list(y[dp_rank * m : (dp_rank + 1) * m]),
             )
+            if combo.cp_attention is not None:  # (B, T) -> (B, T/cp): this cp rank's chunks
+                split = partial(
+                    split_sequence, cp=cp, rank=layout.cp_rank, attention=combo.cp_attention
+                )
+                xs, ys = [split(t) for t in xs], [split(t) for t in ys]
             if ddp is not None:
                 opt.zero_grad(set_to_none=True)
             else:
@@ -171,8 +192,10 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
             loss = _forward_backward(combo, chunks, layout, ddp, xs, ys, tp_comm, scaler)
             if ddp is not None and wrong != "no_dp_sync":
                 ddp.finish_gradient_sync()
+            if combo.ep == "2":
+                reduce_expert_grads(stages, layout.edp_group, 2)  # / (dp x cp)
             if combo.tp == "2+sp":
-                _sum_sequence_parallel(
+                sum_sequence_parallel(
                     stages, opt, tp_comm, sharded=combo.dp.startswith(("zero2", "zero3"))
                 )
             sum_tied_grads(chunks, emb_group)
@@ -181,12 +204,14 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
             else:
                 scaler.step(opt)
                 scaler.update()
-            losses.append(_dp_mean(loss, layout))
-            params.append(_snapshot(combo, stages, model, opt, layout))
+            losses.append(dp_mean(loss, layout))
+            params.append(snapshot(combo, stages, model, opt, layout))
         return {"rank": dist.get_rank(), "losses": losses, "params": [p for p in params if p]}
     finally:  # this configuration's groups go with it (the next builds its own)
-        for g in (emb_group, layout.tp_group, layout.dp_group, layout.pp_group):
-            if g is not None and g is not dist.group.WORLD:
+        groups = [emb_group, layout.tp_group, layout.dp_group, layout.pp_group, layout.cp_group]
+        groups += [layout.dp_cp_group, layout.ep_group, layout.edp_group]
+        for g in {id(g): g for g in groups if g is not None}.values():
+            if g is not dist.group.WORLD:
                 dist.destroy_process_group(g)
 
 
@@ -217,62 +242,10 @@ def _forward_backward(
         return total
     sched = make_schedule(SCHEDULE[combo.pp], 2, m, _virtual(combo))
     t = combo.tp_degree if combo.tp == "2+sp" else 1
-    shape = (MICRO_BATCH, xs[0].shape[1] // t, model_config(combo).n_embd)
+    shape = (MICRO_BATCH, xs[0].shape[1] // t, model_config(combo).n_embd)  # xs: (B, T/cp)
     quiet = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
     with quiet, autocast(combo):
         res = pipeline_step(
             sched, chunks, xs, ys, shape, group=layout.pp_group, loss_fn=loss_fn, barrier=False
         )
     return res.loss
-
-
-def _sum_sequence_parallel(stages: Any, opt: Any, comm: Comm, sharded: bool) -> None:
-    """Sum the partial gradients of sequence-parallel parameters over tp (one flat all-reduce):
-    ``p.grad`` where it lives, or ZeRO-2/3's gradient shard pieces of those parameters."""
-    views = []
-    if sharded:
-        for u in opt.units:
-            for pc in opt.pieces[u]:
-                if getattr(u.params[pc.param], "sequence_parallel", False):
-                    views.append(u.grad[pc.shard_start : pc.shard_start + pc.length])
-    else:
-        views = [
-            p.grad for p in stages.parameters()
-            if getattr(p, "sequence_parallel", False) and p.grad is not None
-        ]  # fmt: skip
-    if not views:
-        return
-    flat = torch.cat([v.reshape(-1) for v in views])
-    comm.all_reduce(flat)
-    offset = 0
-    for v in views:
-        v.copy_(flat[offset : offset + v.numel()].view_as(v))
-        offset += v.numel()
-
-
-def _dp_mean(loss: float | None, layout: Any) -> float | None:
-    if loss is None:
-        return None
-    t = torch.tensor([loss], dtype=torch.float64)
-    dist.all_reduce(t, group=layout.dp_group)
-    return t.item() / dist.get_world_size(layout.dp_group)
-
-
-def _snapshot(combo: Combo, stages: Any, model: Any, opt: Any, layout: Any) -> dict[str, Any]:
-    """This stage's full parameters (tp shards all-gathered) on tp rank 0 of every replica, so
-    the replicas are each compared (ZeRO-3: replica 0's consolidation of the shards, a
-    collective over dp)."""
-    values = {id(p): p.detach() for p in stages.parameters()}
-    if combo.dp.startswith("zero3"):
-        sd = opt.full_state_dict()  # every dp rank calls it; rank 0 of dp gets it
-        if sd is None:
-            return {}
-        named = dict(model.named_parameters())
-        values.update({id(named[n]): t for n, t in sd["params"].items()})  # full shape
-    out = {
-        norm_name(name.split(".", 2)[2], combo.tied): full_size(
-            p, values[id(p)], layout.tp_group
-        ).clone()
-        for name, p in stages.named_parameters()
-    }
-    return out if layout.tp_rank == 0 else {}

@@ -35,7 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from labkit.experts.model import moe_gpt
 from labkit.models.gpt import GPT, GPTConfig, lm_loss
+from labkit.models.moe import MoEConfig
 from labkit.parallel.matrix import Combo
 from labkit.precision.loss_scaler import DynamicLossScaler
 from labkit.reference import Trace, first_divergence, first_mismatch, train_reference
@@ -94,11 +96,22 @@ def make_extra(cfg: GPTConfig) -> nn.Linear:
     return nn.Linear(cfg.n_embd, cfg.n_embd)
 
 
+def moe_config(combo: Combo) -> MoEConfig:
+    """The matrix's MoE GPT (ep != "0"): 4 experts, top-2, expert width 32 (splits over tp),
+    dropless and without the auxiliary losses: a cp rank routes T/cp tokens of a micro-batch,
+    so capacity and the balancing loss (functions of the routing group) would differ from one
+    process's; tests/test_experts.py proves capacity, drops and the losses."""
+    return MoEConfig(
+        model_config(combo), n_experts=4, top_k=2, expert_d_ff=32, capacity_factor=None,
+        aux_coef=0.0, z_coef=0.0,
+    )  # fmt: skip
+
+
 def build_model(combo: Combo, *, branch: bool = True) -> GPT:
     """The full GPT of ``combo`` from one seed (``branch=False``: without the branch, which
-    the ranks add after tensor parallelism, see :func:`add_branch`)."""
+    the ranks add after tensor parallelism, see :func:`add_branch`); a MoE GPT if ep != "0"."""
     torch.manual_seed(SEED)
-    model = GPT(model_config(combo))
+    model = GPT(model_config(combo)) if combo.ep == "0" else moe_gpt(moe_config(combo))
     model.wpe.weight.requires_grad_(not combo.frozen)
     if combo.branch and branch:
         add_branch(model)
@@ -172,7 +185,8 @@ class _ScaledAdamW:
 def reference(combo: Combo, replicas: int | None = None) -> Trace:
     """Single-process gradient accumulation over all 2 * accum micro-batches of every step,
     torch's AdamW, the same autocast and loss scaler (``replicas=1``: replica 0's
-    micro-batches only, a negative control). Parameter names: :func:`norm_name`."""
+    micro-batches only, a negative control; with cp = 2 there is one replica, 1 x accum
+    micro-batches, each split along the sequence). Parameter names: :func:`norm_name`."""
     model = build_model(combo)
     a = ADAM
     opt = torch.optim.AdamW(
@@ -186,7 +200,9 @@ def reference(combo: Combo, replicas: int | None = None) -> Trace:
             loss = lm_loss(m(x).float(), y)
         return loss if scaler is None else ScaleGrad.apply(loss, scaler.get_scale())
 
-    keep = 2 * combo.accum if replicas is None else replicas * combo.accum
+    if replicas is None:
+        replicas = 2 // combo.cp_degree
+    keep = replicas * combo.accum
     steps = [list(zip(*(t[:keep] for t in batch(combo, s)))) for s in range(STEPS)]
     trace = train_reference(model, _ScaledAdamW(opt, scaler), steps, loss_fn)  # type: ignore[arg-type]
     trace.params = [{norm_name(n, False): p for n, p in snap.items()} for snap in trace.params]

@@ -26,6 +26,7 @@ from itertools import combinations
 __all__ = [
     "DIMENSIONS",
     "REFUSED",
+    "SUITE",
     "Combo",
     "check_combo",
     "covering_array",
@@ -49,7 +50,16 @@ DIMENSIONS: dict[str, tuple[object, ...]] = {
     "tied": (True, False),  # embedding and head share one Parameter
     "frozen": (False, True),  # wpe.weight has requires_grad=False
     "branch": (False, True),  # a module only some micro-batches (so some dp ranks) run
+    # context parallel: the 2 data ranks become 1 replica x cp 2 (ring: zigzag; or Ulysses)
+    "cp": ("1", "2", "2-ulysses"),
+    # "0": dense MLPs; "moe": a MoE GPT, experts whole (ep 1); "2": experts over 2 ranks
+    "ep": ("0", "moe", "2"),
 }
+
+# The values the suite's covering array spans: every dimension's, but cp's Ulysses, which the
+# suite runs in one seed configuration only (tests/test_composition.py) to keep its time: all
+# its pairs cost about 3 more configurations and several seconds (docs/composition.md, Cost).
+SUITE = {**DIMENSIONS, "cp": ("1", "2")}
 
 ZERO23 = ("zero2", "zero3", "zero3+prefetch")
 
@@ -76,6 +86,24 @@ REFUSED: list[tuple[str, Pred, str, Pred, str]] = [
         "interleaved 1F1B needs the micro-batches to be a multiple of the pipeline ranks "
         "(pp=2; Megatron-LM's rule: the schedule runs rounds of p micro-batches)",
     ),
+    (
+        "cp", lambda v: v != "1", "branch", lambda v: v is True,
+        "the branch decides per sequence from its first token, which only the context-parallel "
+        "rank holding position 0 sees; the other ranks of the sequence would skip it. A "
+        "per-sequence decision must be taken before the sequence is split (and sent along)",
+    ),
+    (
+        "ep", lambda v: v != "0", "tp", lambda v: v == "2+sp",
+        "expert parallelism needs the tokens replicated over tp (each tp rank routes the same "
+        "tokens and holds an f/tp slice of every local expert, labkit/experts/parallel.py); "
+        "sequence parallelism leaves each tp rank T/tp of them",
+    ),
+    (
+        "ep", lambda v: v == "2", "dp", lambda v: str(v).startswith("zero"),
+        "labkit's ZeRO shards and reduces one group's parameters; experts at ep > 1 need their "
+        "own group (gradients over edp, not dp x cp), i.e. ZeRO over two groups (DeepSpeed-MoE's "
+        "expert data parallelism), which labkit does not build. Use a DDP wrapper with ep",
+    ),
 ]  # fmt: skip
 
 
@@ -95,6 +123,20 @@ class Combo:
     tied: bool = True
     frozen: bool = False
     branch: bool = False
+    cp: str = "1"
+    ep: str = "0"
+
+    @property
+    def cp_degree(self) -> int:
+        return 1 if self.cp == "1" else 2
+
+    @property
+    def cp_attention(self) -> str | None:
+        return {"1": None, "2": "ring", "2-ulysses": "ulysses"}[self.cp]
+
+    @property
+    def ep_degree(self) -> int:
+        return 2 if self.ep == "2" else 1
 
     @property
     def tp_degree(self) -> int:
@@ -106,6 +148,7 @@ class Combo:
 
     @property
     def world_size(self) -> int:
+        """dp x cp = 2 always (cp takes the data ranks), times tp and pp."""
         return 2 * self.tp_degree * self.pp_degree
 
     @property
@@ -118,6 +161,8 @@ class Combo:
             + (["ckpt"] if self.checkpoint else [])
             + [self.precision, f"acc{self.accum}"]
             + (flags or ["plain"])
+            + ([f"cp{self.cp}"] if self.cp != "1" else [])
+            + ({"0": [], "moe": ["moe"], "2": ["ep2"]}[self.ep])
         )
 
     def values(self) -> dict[str, object]:
@@ -149,14 +194,18 @@ def check_combo(combo: Combo) -> None:
 Pair = tuple[tuple[str, object], tuple[str, object]]
 
 
-def valid_pairs() -> set[Pair]:
-    """Every pair of values of two different dimensions that labkit supports."""
-    names = list(DIMENSIONS)
+Dims = dict[str, tuple[object, ...]]
+
+
+def valid_pairs(dims: Dims | None = None) -> set[Pair]:
+    """Every pair of values of two different dimensions that labkit supports (of ``dims``'s
+    values; default :data:`DIMENSIONS`)."""
+    dims = DIMENSIONS if dims is None else dims
     return {
         ((a, va), (b, vb))
-        for a, b in combinations(names, 2)
-        for va in DIMENSIONS[a]
-        for vb in DIMENSIONS[b]
+        for a, b in combinations(list(dims), 2)
+        for va in dims[a]
+        for vb in dims[b]
         if refusal(a, va, b, vb) is None
     }
 
@@ -167,29 +216,31 @@ def _pairs(values: dict[str, object]) -> set[Pair]:
     return set(combinations(items, 2))
 
 
-def uncovered_pairs(combos: Iterable[Combo]) -> set[Pair]:
+def uncovered_pairs(combos: Iterable[Combo], dims: Dims | None = None) -> set[Pair]:
     """The valid pairs no configuration of ``combos`` contains (empty: a covering array)."""
-    left = valid_pairs()
+    left = valid_pairs(dims)
     for c in combos:
         left -= _pairs(c.values())
     return left
 
 
-def covering_array(seeds: Iterable[Combo] = ()) -> list[Combo]:
+def covering_array(seeds: Iterable[Combo] = (), dims: Dims | None = None) -> list[Combo]:
     """``seeds`` (configurations that must run, e.g. a known seam) then greedy configurations
-    until every valid pair is covered. Deterministic: the same list on every call."""
+    until every valid pair of ``dims``'s values (default :data:`DIMENSIONS`; each a subset of
+    it) is covered. Deterministic: the same list on every call."""
+    dims = DIMENSIONS if dims is None else dims
     combos = list(seeds)
     for c in combos:
         check_combo(c)
-    left = uncovered_pairs(combos)
+    left = uncovered_pairs(combos, dims)
     while left:
         (a, va), (b, vb) = min(left, key=_pair_key)
         chosen: dict[str, object] = {a: va, b: vb}
-        for name in DIMENSIONS:
+        for name in dims:
             if name in chosen:
                 continue
             best, best_gain = None, -1
-            for v in DIMENSIONS[name]:
+            for v in dims[name]:
                 if any(refusal(name, v, k, kv) for k, kv in chosen.items()):
                     continue
                 gain = len(_pairs({**chosen, name: v}) & left)

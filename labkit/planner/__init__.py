@@ -14,14 +14,18 @@ Read in this order:
                   peak, HBM, the efficiency curve's constants, each with its source).
 * ``timing.py``   one layer's GEMMs, attention (explicit or flash), elementwise traffic and
                   recompute per policy; the head; the optimizer step.
-* ``steptime.py`` one iteration's named terms: compute, bubble, tp / pp / dp communication
-                  (overlap, bytes as the recipe keeps them), optimizer.
+* ``cp_ep.py``    context and expert parallelism's time: ring K/V beyond what attention hides,
+                  the all-to-alls on the ep group's link, MoE GEMMs at top-k, MoE model FLOPs.
+* ``steptime.py`` one iteration's named terms: compute, bubble, tp / pp / dp / cp / ep
+                  communication (overlap, bytes as the recipe keeps them), optimizer.
 * ``single_constant.py``  the old one-efficiency time model, kept as the negative control.
 * ``plan.py``     predict each candidate's memory per GPU and step time, rank them.
 * ``budget.py``   the whole run: tokens, 6ND FLOPs, days, GPU-hours, cost, failures and checkpoints.
 * ``table1.py``   the planner against Megatron's Table 1, row by row.
 * ``published.py`` Korthikanti's Table 5 and other published runs as data, sources beside.
 * ``gpu_checks.py`` this project's H200 measurement against the planner's prediction.
+* ``long_moe.py`` Mixtral 8x7B's shapes and a 128k-context dense model, printed
+                  (``python -m labkit.planner``, last section).
 
 No processes anywhere: every number is arithmetic a reader can redo by hand.
 """

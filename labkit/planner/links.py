@@ -62,12 +62,15 @@ class GroupLink:
         """Bytes/s one flat ring of this axis gets on its slowest hop.
 
         ``bandwidth`` is a node uplink's per-GPU share (uplink = ``bandwidth x gpus_per_node``).
-        A ring over node-ordered ranks leaves a node once, so a node's uplink carries one flow
-        per ring that touches the node: ``gpus_per_node / ranks_per_node`` rings, each with
-        ``uplink / rings = bandwidth x ranks_per_node`` (with the fewest ranks per node, an
-        upper bound on the rings sharing it). Every hop of the ring carries ``2(p-1)/p D`` in
-        all, so the crossing costs ``2(p-1)/p D / (bandwidth x ranks_per_node)``, not the
-        per-GPU share for every rank. One NIC per node: plain link sharing; one NIC per GPU:
+        Any ring-shaped axis (tp's all-reduce, cp's K/V ring, dp's) gets it: a ring crossing
+        a node edge shares that uplink only with the other rings crossing it, never with
+        every GPU of the node. A ring over node-ordered ranks leaves a node once, so a node's
+        uplink carries one flow per ring that touches the node: ``gpus_per_node /
+        ranks_per_node`` rings, each with ``uplink / rings = bandwidth x ranks_per_node``
+        (with the fewest ranks per node, an upper bound on the rings sharing it). Every hop of
+        the ring carries ``2(p-1)/p D`` in all, so the crossing costs ``2(p-1)/p D /
+        (bandwidth x ranks_per_node)``, not the per-GPU share for every rank. One NIC per
+        node: plain link sharing; one NIC per GPU:
         NCCL's channels (several rings, each crossing on its own rail-aligned NIC) use as
         many NICs as a node has ranks of the ring. Inside a node: ``bandwidth``.
         """
@@ -76,16 +79,21 @@ class GroupLink:
 
 @lru_cache(maxsize=4096)
 def placement(
-    gpus_per_node: int, dp: int, tp: int, pp: int, order: str = "tp-dp-pp"
-) -> dict[str, tuple[int, int, bool]]:
+    gpus_per_node: int, dp: int, tp: int, pp: int, order: str = "tp-dp-pp", cp: int = 1,
+    ep: int = 1,
+) -> dict[str, tuple[int, int, bool]]:  # fmt: skip
     """``{axis: (ranks_per_node, nodes, balanced)}`` of the rank grid's groups (module
-    docstring), for nodes of ``gpus_per_node`` GPUs."""
+    docstring), for nodes of ``gpus_per_node`` GPUs. With ``cp > 1`` also ``"cp"`` and
+    ``"dp_cp"`` (the ranks a dense gradient is averaged over), with ``ep > 1`` ``"ep"`` (the
+    all-to-all's group) and ``"edp"`` (the ranks averaging one expert's gradients): the
+    groups :func:`labkit.parallel.layout.rank_grid` builds."""
     if order not in ORDERS:
         raise ValueError(f"rank order {order!r} is not one of {ORDERS}")
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node={gpus_per_node} must be >= 1")
     out = {}
-    for axis, groups in rank_grid(ParallelDegrees(dp=dp, tp=tp, pp=pp), order).items():
+    degrees = ParallelDegrees(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    for axis, groups in rank_grid(degrees, order).items():
         fewest, most, balanced = len(groups[0]), 1, True
         for group in groups:
             counts: dict[int, int] = {}
@@ -99,15 +107,17 @@ def placement(
 
 
 def group_links(
-    cluster: Cluster, dp: int, tp: int, pp: int, order: str = "tp-dp-pp"
-) -> dict[str, GroupLink]:
-    """``{"tp": GroupLink, "dp": ..., "pp": ...}`` for ranks ordered by ``order`` on
+    cluster: Cluster, dp: int, tp: int, pp: int, order: str = "tp-dp-pp", cp: int = 1,
+    ep: int = 1,
+) -> dict[str, GroupLink]:  # fmt: skip
+    """``{"tp": GroupLink, "dp": ..., "pp": ...}`` (and ``cp``, ``dp_cp``, ``ep``, ``edp``
+    when those degrees exceed 1, :func:`placement`) for ranks ordered by ``order`` on
     ``cluster``'s nodes: the slow link for an axis whose groups span nodes."""
     fast = (cluster.intra_latency, cluster.intra_bandwidth)
     slow = (cluster.inter_latency, cluster.inter_bandwidth)
     out = {}
     for axis, (per_node, nodes, balanced) in placement(
-        cluster.gpus_per_node, dp, tp, pp, order
+        cluster.gpus_per_node, dp, tp, pp, order, cp, ep
     ).items():
         crosses = nodes > 1
         alpha, bw = slow if crosses else fast

@@ -10,6 +10,10 @@ What the planner decides, and the model does not:
   (v > 1), the rank with the most blocks is charged with the first stage's stash,
   ``min(p, m) (1 + (p - 1)/(p v))`` micro-batches (Narayanan et al. 2021), holding the
   embedding or the head, whichever is larger: an upper bound;
+* context and expert parallelism: activations of ``seq / cp`` positions; the dense parameters
+  sharded over the ``dp x cp`` ranks holding them, the experts (``E / ep`` a rank, with a
+  :class:`~labkit.memory.moe_cp.MoESpec`) over the ``dp cp / ep`` ranks holding the same
+  experts (:mod:`labkit.memory.moe_cp`);
 * ZeRO shards over the whole dp group, or under HSDP (``shard_group="node"``) over the
   ``k`` dp ranks that share a node (from the real rank grid, ``links.py``);
 * the precision: Megatron's mixed precision as :data:`MEGATRON_MIXED` (18 bytes per
@@ -25,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from labkit.memory.model import Precision
+from labkit.memory.moe_cp import MoESpec
 from labkit.memory.per_gpu import MemoryEstimate, gpu_memory
 from labkit.models.gpt import GPTConfig
 from labkit.planner.cluster import Cluster
@@ -53,10 +58,11 @@ def in_flight(p: int, m: int, v: int = 1) -> float:
 
 
 def shard_size(cand: Candidate, cluster: Cluster, order: str = "tp-dp-pp") -> int:
-    """The ranks ZeRO shards over: dp, or under HSDP the dp ranks a node holds (a dp group
-    inside one node: all of dp; a ragged one, ranks unevenly over nodes, is refused)."""
+    """The ranks ZeRO shards the dense parameters over: dp x cp (context-parallel ranks hold
+    the same parameters), or under HSDP the dp ranks a node holds (a dp group inside one node:
+    all of dp; a ragged one, ranks unevenly over nodes, is refused)."""
     if cand.shard_group == "dp" or cand.zero == 0:
-        return cand.dp
+        return cand.dp * cand.cp
     dpl = group_links(cluster, cand.dp, cand.tp, cand.pp, order)["dp"]
     if not dpl.crosses_nodes:
         return cand.dp
@@ -72,6 +78,7 @@ def candidate_memory(
     cfg: GPTConfig, cluster: Cluster, cand: Candidate, micro_batches: int, *,
     precision: Precision = MEGATRON_MIXED, order: str = "tp-dp-pp",
     attention: str | None = None, allowance: float = WORKSPACE_BYTES,
+    moe: MoESpec | None = None,
 ) -> MemoryEstimate:  # fmt: skip
     """Per-GPU bytes of ``cand`` with ``micro_batches`` (m) per replica (module docstring)."""
     cut = stage_cut(cfg.n_layer, cand.pp, cand.virtual, cand.stage_layers)
@@ -82,7 +89,8 @@ def candidate_memory(
         zero=ZERO_STAGES[cand.zero], precision=precision,
         act_bytes=2 if precision.param_bytes < 4 else 4, recompute=cand.recompute,
         sp=cand.sp, attention=attention or cfg.attention, offload=cand.offload,
-        allowance=allowance,
+        allowance=allowance, cp=cand.cp, ep=cand.ep, moe=moe,
+        expert_shard=cand.dp * cand.cp // cand.ep,
     )  # fmt: skip
     if p == 1 or cand.virtual > 1:
         return gpu_memory(cfg, blocks=cut.most_blocks,

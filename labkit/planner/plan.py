@@ -25,7 +25,12 @@ time (one iteration)
     the old single constant (``single_constant.py``: every FLOP at that fraction of peak,
     16-bit dp traffic), kept as the negative control.
 Each group's link class follows from the rank order (``links.py``).
-MFU = model FLOPs (72 factor, no recompute) / (time x GPUs x peak).
+Context and expert parallelism (``cp``, ``ep``; a MoE model as ``moe=``, a
+:class:`~labkit.memory.moe_cp.MoESpec`): memory divides activations by cp and the experts by
+ep (``labkit.memory.moe_cp``); time adds ``cp_comm`` (ring K/V beyond what attention hides)
+and ``ep_comm`` (the all-to-alls on the ep group's link), MoE GEMMs at top-k (``cp_ep.py``).
+MFU = model FLOPs (72 factor, no recompute; a MoE's MLPs at top-k, ``cp_ep.moe_model_flops``)
+/ (time x GPUs x peak).
 
 Rank order follows Megatron's (Narayanan et al. 2021, section 3.3): tp innermost, so a tp group
 spans t consecutive ranks; a dp group spans t x dp; a pp group crosses everything.
@@ -34,8 +39,10 @@ spans t consecutive ranks; a dp group spans t x dp; a pp group crosses everythin
 from __future__ import annotations
 
 from labkit.memory.model import Precision
+from labkit.memory.moe_cp import MoESpec
 from labkit.models.gpt import GPTConfig
 from labkit.planner.cluster import Cluster
+from labkit.planner.cp_ep import moe_model_flops
 from labkit.planner.flops import megatron_flops_per_iteration
 from labkit.planner.memory import (
     MEGATRON_MIXED,
@@ -82,6 +89,7 @@ def predict(
     attention: str | None = None,
     dp_overlap: bool = False,
     tp_overlap: bool = False,
+    moe: MoESpec | None = None,
 ) -> Prediction:
     """Memory per GPU, seconds per iteration and MFU of one candidate (module docstring).
     ``bubble``: "formula" ((p - 1)/v slots) or "simulated" (the pipeline simulator's replay of
@@ -93,11 +101,17 @@ def predict(
     models assume ("sdpa" or "explicit"; default the model's, ``cfg.attention``).
     ``efficiency``: None, the card's roofline; a float, the old single constant.
     ``dp_overlap`` / ``tp_overlap``: hide dp traffic behind backward (bucketed), tp traffic
-    behind the GEMMs (:mod:`labkit.planner.steptime`)."""
+    behind the GEMMs (:mod:`labkit.planner.steptime`). ``moe``: the model's MoE layers (needed
+    for ``ep > 1``; the roofline only)."""
     if dp_collective not in ("ring", "hierarchical"):
         raise ValueError(f"dp_collective={dp_collective!r}: expected 'ring' or 'hierarchical'")
     cand.degrees.check_world_size(cluster.world_size)
-    cand.degrees.check_model(hidden=cfg.n_embd, heads=cfg.n_head)
+    cand.degrees.check_model(hidden=cfg.n_embd, heads=cfg.n_head, seq=cfg.block_size)
+    if cand.ep > 1 and (moe is None or moe.n_experts % cand.ep):
+        raise ValueError(f"ep={cand.ep} needs a MoE model (moe=) whose experts it divides")
+    if efficiency is not None and (moe is not None or cand.cp > 1):
+        raise ValueError(f"a MoE model or cp={cand.cp} > 1 is priced on the roofline only "
+                         f"(efficiency=None), got efficiency={efficiency}")  # fmt: skip
     stage_cut(cfg.n_layer, cand.pp, cand.virtual, cand.stage_layers)  # names a bad cut
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
@@ -112,16 +126,18 @@ def predict(
     n = cluster.world_size
 
     mem = candidate_memory(cfg, cluster, cand, m, precision=precision, order=order,
-                           attention=attention)  # fmt: skip
+                           attention=attention, moe=moe)  # fmt: skip
     memory = planner_parts(mem)
     psi = float(mem.params_per_gpu)  # the charged rank's parameters per tp rank, before ZeRO
 
     model_flops = megatron_flops_per_iteration(global_batch, s, L, h, V, recompute=False)
+    extra = moe_model_flops(cfg, moe, global_batch) if moe else 0.0  # top-k, not E, experts
     if efficiency is None:  # the card's roofline, overlap, bytes per the recipe (steptime.py)
         time = step_time(cfg, cluster, cand, m, params_per_gpu=psi, precision=precision,
                          attention=attention, order=order, bubble=bubble,
                          dp_collective=dp_collective,
-                         dp_overlap=dp_overlap, tp_overlap=tp_overlap).terms  # fmt: skip
+                         dp_overlap=dp_overlap, tp_overlap=tp_overlap, moe=moe,
+                         expert_params=mem.expert_params_per_gpu).terms  # fmt: skip
     else:  # the old single constant, kept as the negative control (single_constant.py)
         time = single_constant_time(cfg, cluster, cand, m, psi=psi, efficiency=efficiency,
                                     bubble=bubble, order=order,
@@ -133,12 +149,14 @@ def predict(
         time=time,
         micro_batches=m,
         fits=mem.total <= cluster.memory_bytes,
-        mfu=model_flops / (total * n * cluster.peak_flops),
+        mfu=(model_flops + extra) / (total * n * cluster.peak_flops),
         tokens_per_second=global_batch * s / total,
         capacity=cluster.memory_bytes,
         allowance=mem.allowance,
         host_bytes=mem.host_bytes,
-        hfu=hardware_flops(cfg, global_batch, cand.recompute) / (total * n * cluster.peak_flops),
+        hfu=(hardware_flops(cfg, global_batch, cand.recompute)
+             + extra * (4 / 3 if cand.recompute == "full" else 1))
+        / (total * n * cluster.peak_flops),
     )
 
 
@@ -153,6 +171,9 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
     bubble = str(kwargs.pop("bubble", "formula"))
     order = str(kwargs.pop("order", "tp-dp-pp"))
     dp_collective = str(kwargs.pop("dp_collective", "ring"))
+    moe = kwargs.pop("moe", None)
+    if moe is not None:
+        kwargs.setdefault("n_experts", moe.n_experts)  # type: ignore[attr-defined]
     cands = enumerate_candidates(cfg, cluster, global_batch, **kwargs)  # type: ignore[arg-type]
     preds = [
         predict(
@@ -167,6 +188,7 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
             dp_collective=dp_collective,
             dp_overlap=dp_overlap,
             tp_overlap=tp_overlap,
+            moe=moe,  # type: ignore[arg-type]
         )
         for c in cands
     ]

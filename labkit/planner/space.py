@@ -14,7 +14,11 @@ A :class:`Candidate` is every choice a Megatron/DeepSpeed/FSDP run makes:
   group, crosses the slow link);
 * ``offload``: ``"none"``, ``"optimizer"`` (optimizer state in host memory, stepped on the
   CPU) or ``"optimizer+grads"`` (ZeRO-Offload, Ren et al. 2021: the gradients also stream to
-  the CPU as backward produces them).
+  the CPU as backward produces them);
+* ``cp``: context parallelism (ring attention: the world is ``dp x tp x pp x cp``, the dense
+  gradients averaged over ``dp x cp``); ``ep``: expert parallelism, carved out of the
+  ``dp x cp`` ranks (it divides ``dp x cp``; a MoE model only). Validated, and named, by
+  :class:`labkit.parallel.layout.ParallelDegrees`. HSDP beside cp or ep is not modelled.
 
 What the time side charges for these choices is in :func:`wire_bytes` (each dp collective's
 buffer, group and count per step, in the precision policy's reduce dtype) and
@@ -60,8 +64,14 @@ class Candidate:
     stage_layers: tuple[int, ...] | None = None  # blocks per virtual stage; None: even/spread
     shard_group: str = "dp"  # "node": HSDP (ZeRO inside a node, replicas across)
     offload: str = "none"  # one of labkit.memory.per_gpu.OFFLOAD
+    cp: int = 1  # context parallelism (ring attention)
+    ep: int = 1  # expert parallelism, inside dp x cp
 
     def __post_init__(self) -> None:
+        self.degrees  # noqa: B018  (ParallelDegrees validates and names every degree)
+        if self.shard_group == "node" and max(self.cp, self.ep) > 1:
+            raise ValueError(f"HSDP (shard_group='node') with cp={self.cp}, ep={self.ep} > 1 "
+                             "is not modelled")  # fmt: skip
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero}: expected one of {sorted(ZERO_STAGES)}")
         if self.shard_group not in SHARD_GROUPS:
@@ -73,7 +83,7 @@ class Candidate:
 
     @property
     def degrees(self) -> ParallelDegrees:
-        return ParallelDegrees(dp=self.dp, tp=self.tp, pp=self.pp)
+        return ParallelDegrees(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,9 @@ class Prediction:
         c = asdict(self.candidate)
         if c["stage_layers"] is None:  # the default cut: no column
             del c["stage_layers"]
+        for k in ("cp", "ep"):  # 3D layouts keep their columns
+            if c[k] == 1:
+                del c[k]
         c.update(
             GB=round(self.memory_total / 1e9, 1),
             fits=self.fits,
@@ -205,6 +218,9 @@ def enumerate_candidates(
     shard_groups: tuple[str, ...] = ("dp",),
     offload: tuple[str, ...] = ("none",),
     lighter_ends: bool = False,
+    cp: tuple[int, ...] = (1,),
+    ep: tuple[int, ...] = (1,),
+    n_experts: int = 0,
 ) -> list[Candidate]:
     """Every layout that splits the model evenly: t divides the heads (and h), p divides the
     layers (times v), dp = GPUs / (t p), and dp x micro-batch divides the global batch (and,
@@ -218,7 +234,9 @@ def enumerate_candidates(
     ``lighter_ends``: also, for 1F1B over p >= 3 stages, Megatron's uneven first/last
     stages: one block fewer on the first stage (it stashes the most micro-batches and holds
     the embedding) and on the last (it computes the head), the two spread over the middle
-    (:func:`ends_cut`)."""
+    (:func:`ends_cut`). ``cp``: context-parallel degrees to search (each dividing the GPUs, the
+    sequence into ``2 cp`` zigzag chunks, with SDPA); ``ep``: expert-parallel degrees (each
+    dividing ``dp x cp`` and ``n_experts``, the MoE model's experts; > 1 needs one)."""
     n, g = cluster.world_size, cluster.gpus_per_node
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     out = []
@@ -229,13 +247,20 @@ def enumerate_candidates(
     def hsdp(d: int, t: int) -> bool:  # dp groups span nodes, whole nodes of k > 1 ranks each
         return g % t == 0 and g // t > 1 and t * d > g and d % (g // t) == 0
 
-    for t, p in itertools.product(divisors, repeat=2):
-        if n % (t * p) or cfg.n_head % t or cfg.n_embd % t or not cuts(p):
+    def context(c: int) -> bool:  # the ring's zigzag chunks, a flash kernel
+        return c == 1 or (cfg.block_size % (2 * c) == 0 and cfg.attention == "sdpa")
+
+    for t, p, c in itertools.product(divisors, divisors, cp):
+        if n % (t * p * c) or cfg.n_head % t or cfg.n_embd % t or not cuts(p) or not context(c):
             continue
-        d = n // (t * p)
-        for b, z, r, v, q, sg, o in itertools.product(
-            micro_batches, zero_stages, recompute, virtual, sp, shard_groups, offload
+        d = n // (t * p * c)
+        for b, z, r, v, q, sg, o, e in itertools.product(
+            micro_batches, zero_stages, recompute, virtual, sp, shard_groups, offload, ep
         ):
+            if e > 1 and ((d * c) % e or not n_experts or n_experts % e):
+                continue
+            if sg == "node" and max(c, e) > 1:
+                continue
             if global_batch % (d * b) or (v > 1 and (p == 1 or not cuts(p * v))):
                 continue
             if v > 1 and (global_batch // (d * b)) % p:  # interleaving needs m % p == 0
@@ -246,10 +271,11 @@ def enumerate_candidates(
                 continue  # SDPA stores no scores and recomputes them anyway: "none" is it
             if z > 0 and d == 1 and 0 in zero_stages:
                 continue  # ZeRO over one rank shards nothing: DDP's layout, listed once
-            out.append(Candidate(d, t, p, b, z, r, v, q, shard_group=sg, offload=o))
+            out.append(Candidate(d, t, p, b, z, r, v, q, shard_group=sg, offload=o, cp=c, ep=e))
             cut = ends_cut(cfg.n_layer, p) if lighter_ends and v == 1 else None
             if cut is not None:
-                out.append(Candidate(d, t, p, b, z, r, v, q, cut, shard_group=sg, offload=o))
+                out.append(Candidate(d, t, p, b, z, r, v, q, cut, shard_group=sg, offload=o,
+                                     cp=c, ep=e))  # fmt: skip
     return out
 
 

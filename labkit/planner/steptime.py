@@ -8,8 +8,18 @@ Built on :mod:`timing` (one layer, the head, the optimizer, by the card's roofli
 ``bubble``     the pipeline's idle slots (:mod:`bubble`), at the slowest rank's micro-batch time.
 ``tp_comm``    per layer and micro-batch, 2 all-reduces forward, 2 backward and 2 more under full
                recompute, of ``2 b s h`` bytes each on the tp group's link (sequence parallelism
-               sends the same bytes as reduce-scatter + all-gather). Exposed, as Megatron 2021
-               ran it; ``tp_overlap`` hides it behind the GEMMs it feeds, up to their time.
+               sends the same bytes as reduce-scatter + all-gather), a ring across nodes at
+               ``GroupLink.ring_bandwidth`` (the uplink shared only by the rings crossing it,
+               like dp's). Exposed, as Megatron 2021 ran it; ``tp_overlap`` hides it behind the
+               GEMMs it feeds, up to their time.
+``cp_comm``    context parallelism (``cp > 1``): ring attention's K/V traffic beyond what each
+               block's attention hides (:mod:`cp_ep`, which states the overlap assumption);
+               every activation, GEMM and the head cover ``s / cp`` positions, attention
+               ``s / cp`` queries against all ``s`` keys. ``hidden`` holds the part hidden.
+``ep_comm``    expert parallelism (``ep > 1``, a MoE model): 2 all-to-alls forward and 2 backward
+               (2 more under full recompute) per MoE layer and micro-batch, on the link class the
+               ep group rides (:mod:`cp_ep`); MoE layers' GEMMs are the router's, the local
+               experts' over their capacity (top-k active, padding included) and a shared one's.
 ``pp_comm``    per micro-batch, a send forward and one backward at each boundary of the rank's v
                chunks, ``2 b s h / t`` bytes (Megatron's scatter/gather), on the critical path.
 ``dp_comm``    every data-parallel collective :func:`space.wire_bytes` lists, with its buffer,
@@ -40,19 +50,27 @@ Built on :mod:`timing` (one layer, the head, the optimizer, by the card's roofli
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from labkit.collectives.cost_model import hierarchical_all_reduce_time, ring_all_reduce_time
 from labkit.memory.model import Precision
+from labkit.memory.moe_cp import MoESpec
 from labkit.models.gpt import GPTConfig
 from labkit.planner.bubble import charged_bubble
 from labkit.planner.cluster import Cluster
-from labkit.planner.links import group_links
+from labkit.planner.cp_ep import a2a_seconds, moe_mlp_shapes, ring_exposed
+from labkit.planner.links import GroupLink, group_links
 from labkit.planner.memory import shard_size
 from labkit.planner.roofline import chip_for
 from labkit.planner.space import Candidate, offload_traffic, wire_bytes
 from labkit.planner.stages import stage_cut
-from labkit.planner.timing import head_time, layer_time, optimizer_time
+from labkit.planner.timing import (
+    LayerTime,
+    attention_time,
+    head_time,
+    layer_time,
+    optimizer_time,
+)
 
 __all__ = ["BUCKET_BYTES", "HOST_BANDWIDTH", "PCIE_BANDWIDTH", "StepTime", "step_time"]
 
@@ -78,43 +96,43 @@ class StepTime:
         return sum(self.terms.values())
 
 
-def _collective_time(name: str, nbytes: float, ranks: int, cand: Candidate, cluster: Cluster,
-                     order: str, dp_collective: str) -> float:  # fmt: skip
-    """Seconds of one :func:`wire_bytes` collective of ``nbytes`` over ``ranks``. Over the
-    whole dp group: the dp link (a flat ring paced by its slowest hop, or the hierarchical
+def _collective_time(name: str, nbytes: float, ranks: int, group: int, link: GroupLink,
+                     cluster: Cluster, dp_collective: str) -> float:  # fmt: skip
+    """Seconds of one :func:`wire_bytes` collective of ``nbytes`` over ``ranks``, for a
+    gradient group of ``group`` ranks on ``link`` (dp, dp x cp, or the experts' edp). Over the
+    whole group: its link (a flat ring paced by its slowest hop, or the hierarchical
     all-reduce); a ring reduce-scatter or all-gather is half an all-reduce. Over a node's
     share (HSDP's shard): NVLink. Across the replicas (HSDP): the inter-node link."""
-    d = cand.dp
     intra = (cluster.intra_latency, 1 / cluster.intra_bandwidth)
     inter = (cluster.inter_latency, 1 / cluster.inter_bandwidth)
-    if name == "grad_all_reduce_replicas":
+    if name.endswith("grad_all_reduce_replicas"):
         return ring_all_reduce_time(nbytes, ranks, *inter)
-    half = 1.0 if name == "grad_all_reduce" else 0.5  # reduce-scatter / all-gather: half
-    if ranks < d:  # HSDP: inside a node
+    half = 1.0 if name.endswith("grad_all_reduce") else 0.5  # reduce-scatter / all-gather
+    if ranks < group:  # HSDP: inside a node
         return half * ring_all_reduce_time(nbytes, ranks, *intra)
-    dpl = group_links(cluster, d, cand.tp, cand.pp, order)["dp"]
-    two_level = dpl.crosses_nodes and dpl.ranks_per_node > 1 and dpl.balanced
+    two_level = link.crosses_nodes and link.ranks_per_node > 1 and link.balanced
     if dp_collective == "hierarchical" and two_level:
-        k = dpl.ranks_per_node
-        return half * hierarchical_all_reduce_time(nbytes, dpl.nodes, k, intra=intra,
+        k = link.ranks_per_node
+        return half * hierarchical_all_reduce_time(nbytes, link.nodes, k, intra=intra,
                                                    inter=inter, nics_per_node=k)  # fmt: skip
-    return half * ring_all_reduce_time(nbytes, d, dpl.alpha, 1 / dpl.ring_bandwidth)
+    return half * ring_all_reduce_time(nbytes, group, link.alpha, 1 / link.ring_bandwidth)
 
 
 Wire = dict[str, tuple[float, int, int]]  # space.wire_bytes: {name: (bytes, ranks, count)}
 
 
-def _dp_slots(cand: Candidate, cluster: Cluster, order: str, dp_collective: str, m: int,
-              wire: Wire) -> dict[str, tuple[float, float]]:  # fmt: skip
+def _dp_slots(cluster: Cluster, dp_collective: str, m: int,
+              groups: list[tuple[Wire, int, GroupLink]]) -> dict[str, tuple[float, float]]:
     """Seconds of dp traffic by where it runs: ``{"bwd" | "fwd": (each micro-batch's, the
     step's once)}``. A collective run ``m`` times a step runs in every micro-batch's backward
     (gradients) or forward (ZeRO-3's first gather); ZeRO-3's ``2 m`` gathers split m forward,
     m backward; one run once a step sits behind the last backward (reduce) or the first
     forward (ZeRO-1/2's gather of the updated parameters)."""
     slots = {"bwd": [0.0, 0.0], "fwd": [0.0, 0.0]}
-    for name, (nbytes, ranks, count) in wire.items():
-        one = _collective_time(name, nbytes, ranks, cand, cluster, order, dp_collective)
-        phase = "fwd" if name == "param_all_gather" else "bwd"
+    items = [(n, w, g, link) for wire, g, link in groups for n, w in wire.items()]
+    for name, (nbytes, ranks, count), group, link in items:
+        one = _collective_time(name, nbytes, ranks, group, link, cluster, dp_collective)
+        phase = "fwd" if name.endswith("param_all_gather") else "bwd"
         if count == 1:
             slots[phase][1] += one
         elif count == m:
@@ -132,17 +150,27 @@ def step_time(
     params_per_gpu: float, precision: Precision, attention: str | None = None,
     order: str = "tp-dp-pp", bubble: str = "formula", dp_collective: str = "ring",
     shard: int | None = None, dp_overlap: bool = False, tp_overlap: bool = False,
-    bucket_bytes: float = BUCKET_BYTES,
+    bucket_bytes: float = BUCKET_BYTES, moe: MoESpec | None = None,
+    expert_params: float = 0.0,
 ) -> StepTime:  # fmt: skip
     """The named terms of one iteration (module docstring). ``params_per_gpu``: the charged
-    rank's parameters before ZeRO; ``shard``: the ranks ZeRO shards over (default dp)."""
+    rank's parameters before ZeRO, ``expert_params`` of them the routed experts' (a MoE model,
+    ``moe``); ``shard``: the ranks ZeRO shards the dense ones over (default dp x cp)."""
     chip = chip_for(cluster.name, cluster.peak_flops, cluster.mem_bandwidth)
-    s, h, a, V = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    s, h, a, V = cfg.block_size // cand.cp, cfg.n_embd, cfg.n_head, cfg.vocab_size
     t, p, d, b, v, m = cand.tp, cand.pp, cand.dp, cand.micro_batch, cand.virtual, micro_batches
+    c, e = cand.cp, cand.ep
     kind = attention or cfg.attention
     cut = stage_cut(cfg.n_layer, p, v, cand.stage_layers)
-    lt = layer_time(chip, b, s, h, a, tp=t, sp=cand.sp, recompute=cand.recompute,
-                    attention=kind)  # fmt: skip
+    common = dict(tp=t, sp=cand.sp, recompute=cand.recompute, attention=kind, cp=c)
+    lt = layer_time(chip, b, s, h, a, **common)  # type: ignore[arg-type]
+    n_moe = moe.moe_blocks(cfg.n_layer, cut.most_blocks) if moe else 0
+    if moe is not None:  # the average layer: MoE layers spread evenly over the stages
+        lm = layer_time(chip, b, s, h, a, mlp=moe_mlp_shapes(moe, b * s, h, t, e),
+                        **common)  # type: ignore[arg-type]  # fmt: skip
+        w = moe.moe_layers(cfg.n_layer) / cfg.n_layer
+        lt = LayerTime(*(w * x + (1 - w) * y for x, y in zip(lm.parts().values(),
+                                                             lt.parts().values())))  # fmt: skip
     head = head_time(chip, b, s, h, V, t)
     ranks = cut.rank_flops(lt.total, head)  # linear in the layer's cost: seconds per rank
     slow = max(range(p), key=lambda r: ranks[r])
@@ -151,18 +179,25 @@ def step_time(
     parts = {k: m * blocks * x for k, x in lt.parts().items()}
     parts["head"] = m * head if slow == cut.last_rank else 0.0
 
-    links = group_links(cluster, d, t, p, order)
+    links = group_links(cluster, d, t, p, order, cp=c, ep=e)
     tpl, ppl = links["tp"], links["pp"]
-    act = 2 * b * s * h  # one micro-batch's 16-bit hidden states
+    act = 2 * b * s * h  # one micro-batch's 16-bit hidden states (s / cp positions)
     ars = 4 + (2 if cand.recompute == "full" else 0)
-    per_ar = ring_all_reduce_time(act, t, tpl.alpha, 1 / tpl.bandwidth) if t > 1 else 0.0
+    per_ar = ring_all_reduce_time(act, t, tpl.alpha, 1 / tpl.ring_bandwidth) if t > 1 else 0.0
     tp_all = cut.most_blocks * m * ars * per_ar
     tp_hidden = min(tp_all, parts["gemm"]) if tp_overlap else 0.0
     pp_comm = 2 * m * v * (ppl.alpha + act / t / ppl.bandwidth) if p > 1 else 0.0
 
     k = shard if shard is not None else shard_size(cand, cluster, order)  # HSDP: a node's
-    wire = wire_bytes(cand, params_per_gpu, precision, k, m)  # the one list of dp traffic
-    slots = _dp_slots(cand, cluster, order, dp_collective, m, wire)
+    experts = expert_params if e > 1 else 0.0  # at ep = 1 the experts shard like the rest
+    dense_link = links["dp_cp"] if c > 1 else links["dp"]
+    flat = replace(cand, dp=d * c, cp=1, ep=1)  # dense gradients: averaged over dp x cp
+    groups = [(wire_bytes(flat, params_per_gpu - experts, precision, k, m), d * c, dense_link)]
+    k_e = d * c // e
+    if experts:  # the experts' gradients over the ranks holding the same experts (edp)
+        ewire = wire_bytes(replace(flat, dp=k_e), experts, precision, k_e, m)
+        groups.append(({f"expert_{n}": x for n, x in ewire.items()}, k_e, links["edp"]))
+    slots = _dp_slots(cluster, dp_collective, m, groups)
     (bwd_each, bwd_once), (fwd_each, fwd_once) = slots["bwd"], slots["fwd"]
     charged = m * (bwd_each + fwd_each) + bwd_once + fwd_once
     hidden = {"tp_comm": tp_hidden}
@@ -181,7 +216,9 @@ def step_time(
     else:
         hidden["dp_comm"] = 0.0
         dp_comm = charged
-    opt_params = params_per_gpu / (k if cand.zero >= 1 else 1)
+    sharded = cand.zero >= 1
+    opt_params = (params_per_gpu - experts) / (k if sharded else 1) + experts / (
+        k_e if sharded else 1)  # fmt: skip
     terms = {
         "compute": m * per_micro,
         "bubble": charged_bubble(bubble, p, m, v, per_micro, cut.stage_flops(lt.total, head)),
@@ -190,6 +227,15 @@ def step_time(
         "dp_comm": dp_comm,
         "optimizer": optimizer_time(chip, opt_params, precision),
     }
+    if c > 1:  # ring attention's K/V beyond what each block hides (cp_ep.py)
+        a_fwd, a_bwd = attention_time(chip, b, s, h, a, t, kind, True, c)
+        out, hid = ring_exposed(cfg, b, t, c, a_fwd, a_bwd, links["cp"], cand.recompute)
+        terms["cp_comm"] = m * cut.most_blocks * out
+        hidden["cp_comm"] = m * cut.most_blocks * hid
+    if moe is not None and e > 1:  # 2 all-to-alls forward, 2 backward (+2 recomputed)
+        count = 4 + (2 if cand.recompute == "full" else 0)
+        one = a2a_seconds(moe, b * s, h, t, e, links["ep"], cluster)
+        terms["ep_comm"] = m * n_moe * count * one
     if cand.offload != "none":  # the step on the host, its traffic over PCIe (docstring)
         terms["optimizer"] *= chip.mem_bandwidth * chip.mem_eff / HOST_BANDWIDTH
         moved = offload_traffic(cand, params_per_gpu, precision, k)["pcie_bytes"]

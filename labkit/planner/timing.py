@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from labkit.memory.model import RECOMPUTE, Precision
 from labkit.planner.roofline import Chip, gemm_time, stream_time
 
-__all__ = ["LayerTime", "head_time", "layer_time", "optimizer_time"]
+__all__ = ["LayerTime", "attention_time", "head_time", "layer_time", "optimizer_time"]
 
 SOFTMAX_FWD_BYTES, SOFTMAX_BWD_BYTES = 9, 11  # per score element (module docstring)
 CE_BYTES = 24  # per logit element, forward and backward
@@ -64,20 +64,22 @@ class LayerTime:
                 "elementwise": self.elementwise, "recompute": self.recompute}  # fmt: skip
 
 
-def _gemms(chip: Chip, shapes: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """(forward, backward) seconds of ``(m, n, k)`` GEMMs: backward is the input gradient
-    ``(m, k, n)`` and the weight gradient ``(k, n, m)`` of each."""
-    fwd = sum(gemm_time(chip, m, n, k) for m, n, k in shapes)
-    bwd = sum(gemm_time(chip, m, k, n) + gemm_time(chip, k, n, m) for m, n, k in shapes)
+def _gemms(chip: Chip, shapes: Sequence[tuple[float, ...]]) -> tuple[float, float]:
+    """(forward, backward) seconds of ``(m, n, k[, batch])`` GEMMs: backward is the input
+    gradient ``(m, k, n)`` and the weight gradient ``(k, n, m)`` of each."""
+    full = [(x[0], x[1], x[2], x[3] if len(x) > 3 else 1.0) for x in shapes]
+    fwd = sum(gemm_time(chip, m, n, k, g) for m, n, k, g in full)
+    bwd = sum(gemm_time(chip, m, k, n, g) + gemm_time(chip, k, n, m, g) for m, n, k, g in full)
     return fwd, bwd
 
 
-def _attention(chip: Chip, b: int, s: int, h: int, a: int, t: int, kind: str,
-               causal: bool) -> tuple[float, float]:  # fmt: skip
-    """(forward, backward) seconds of the attention core (module docstring)."""
+def attention_time(chip: Chip, b: int, s: int, h: int, a: int, t: int, kind: str,
+               causal: bool, cp: int = 1) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) seconds of the attention core (module docstring); ``s`` queries
+    against ``s cp`` keys under context parallelism (the ring's blocks, zigzag-balanced)."""
     heads, d = b * a / t, h / a
     if kind == "sdpa":
-        flops = 4 * b * s * s * h / t * (0.5 if causal else 1.0)
+        flops = 4 * b * s * s * cp * h / t * (0.5 if causal else 1.0)
         fwd = flops / (chip.peak_flops * chip.flash_fwd)
         return fwd, FLASH_BWD_FACTOR * flops / (chip.peak_flops * chip.flash_bwd)
     scores = heads * s * s  # elements of the (b, a/t, s, s) score tensor
@@ -88,20 +90,28 @@ def _attention(chip: Chip, b: int, s: int, h: int, a: int, t: int, kind: str,
 
 
 def layer_time(chip: Chip, b: int, s: int, h: int, a: int, *, tp: int = 1, sp: bool = False,
-               recompute: str = "none", attention: str = "sdpa",
-               causal: bool = True) -> LayerTime:  # fmt: skip
-    """One layer's forward, backward and recompute on one of ``tp`` ranks (module docstring)."""
+               recompute: str = "none", attention: str = "sdpa", causal: bool = True,
+               cp: int = 1, mlp: Sequence[tuple[float, ...]] | None = None,
+               ) -> LayerTime:  # fmt: skip
+    """One layer's forward, backward and recompute on one of ``tp`` ranks (module docstring).
+    ``cp``: ``s`` is this rank's share of a ``s cp`` sequence (ring attention: flash kernels
+    only); ``mlp``: GEMM shapes ``(m, n, k, batch)`` replacing the MLP's two (a MoE layer,
+    :func:`labkit.planner.cp_ep.moe_mlp_shapes`)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; expected one of {RECOMPUTE}")
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_KINDS}")
+    if cp > 1 and attention != "sdpa":
+        raise ValueError(f"cp={cp} needs a flash-style kernel (attention='sdpa'), got "
+                         f"{attention!r}: ring attention never forms the score matrix")  # fmt: skip
     if tp < 1 or min(b, s, h, a) < 1 or h % tp or a % tp:
         raise ValueError(f"need positive sizes and tp dividing h and a, got b={b} s={s} "
                          f"h={h} a={a} tp={tp}")  # fmt: skip
     T, t = b * s, tp
-    shapes = [(T, 3 * h / t, h), (T, h, h / t), (T, 4 * h / t, h), (T, h, 4 * h / t)]
+    shapes: list[tuple[float, ...]] = [(T, 3 * h / t, h), (T, h, h / t)]
+    shapes += [(T, 4 * h / t, h), (T, h, 4 * h / t)] if mlp is None else list(mlp)
     g_fwd, g_bwd = _gemms(chip, shapes)
-    a_fwd, a_bwd = _attention(chip, b, s, h, a, t, attention, causal)
+    a_fwd, a_bwd = attention_time(chip, b, s, h, a, t, attention, causal, cp)
     e_fwd = stream_time(chip, T * (22 * h / (t if sp else 1) + 16 * h / t))
     if recompute == "full":
         again = g_fwd + a_fwd + e_fwd
