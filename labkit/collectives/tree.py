@@ -24,6 +24,18 @@ data each send it to one more rank, so ``ceil(log2 p)`` rounds of ``alpha + D * 
 
 Every swap is one ``dist.batch_isend_irecv`` (``common.exchange``), safe under NCCL; the
 fold-in and hand-back of the extra ranks are blocking sends and receives in matching order.
+
+:func:`halving_doubling_all_reduce` is Rabenseifner's algorithm (same paper, section 4): a
+reduce-scatter by recursive *halving* (step k: partner = rank XOR p2/2**(k+1); keep one half of
+the current range of blocks, send the other half, reduce what arrives), then an all-gather by
+recursive doubling that retraces the steps backwards. ``2 log2 p`` steps moving ``D/2, D/4,
+...`` bytes each way, so
+
+    T_rhd = 2 log2(p) * alpha + 2(p-1)/p * D * beta
+
+the ring's bytes with the tree's step count. The vector is cut into ``p2`` blocks of
+``chunk_sizes(n, p2)`` (any ``n``, remainders on the first blocks); after the halving, rank r
+alone holds the reduced block r, so every rank ends bit-identical (copies of one sum).
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from labkit.collectives.common import (
     DEFAULT_POOL,
+    chunk_offsets,
     BufferPool,
     combine_,
     exchange,
@@ -45,7 +58,7 @@ from labkit.collectives.common import (
     wire_fields,
 )
 
-__all__ = ["recursive_doubling_all_reduce", "broadcast"]
+__all__ = ["recursive_doubling_all_reduce", "halving_doubling_all_reduce", "broadcast"]
 
 
 def _recursive_doubling_(
@@ -73,6 +86,96 @@ def _recursive_doubling_(
         mask <<= 1
     if rank < p - p2:
         dist.send(work, global_rank(group, rank + p2), group=group)
+
+
+Steps = list[tuple[int, int, int, int, int]]  # (partner, keep_lo, keep_hi, give_lo, give_hi)
+
+
+def _halve_(work: torch.Tensor, op: object, group: ProcessGroup | None, pool: BufferPool) -> Steps:
+    """Recursive-halving reduce-scatter among the ``p2`` power-of-two ranks (extras folded in).
+
+    Returns the steps ``(partner, keep_lo, keep_hi, give_lo, give_hi)`` as element offsets, for
+    :func:`_double_back_`; afterwards ``work[off[r]:off[r+1]]`` is the reduced block ``r``.
+    """
+    rank, p = group_rank_and_size(group)
+    p2 = 1 << (p.bit_length() - 1)
+    off = chunk_offsets(work.numel(), p2)  # p2 + 1 block boundaries
+    lo, hi, mask = 0, p2, p2 >> 1
+    steps: Steps = []
+    recv = pool.get("rhd.recv", off[p2 // 2] if p2 > 1 else 0, work.dtype, work.device)
+    while mask:
+        mid = (lo + hi) // 2  # keep the half of the blocks my bit selects, send the other
+        keep, give = ((mid, hi), (lo, mid)) if rank & mask else ((lo, mid), (mid, hi))
+        k0, k1, g0, g1 = off[keep[0]], off[keep[1]], off[give[0]], off[give[1]]
+        partner = global_rank(group, rank ^ mask)
+        exchange(work[g0:g1], partner, recv[: k1 - k0], partner, group)
+        combine_(work[k0:k1], recv[: k1 - k0], op)
+        steps.append((partner, k0, k1, g0, g1))
+        lo, hi = keep
+        mask >>= 1
+    return steps
+
+
+def _double_back_(work: torch.Tensor, steps: Steps, group: ProcessGroup | None) -> None:
+    """All-gather by retracing the halving backwards: send what I hold, receive what I gave."""
+    for partner, k0, k1, g0, g1 in reversed(steps):
+        exchange(work[k0:k1], partner, work[g0:g1], partner, group)
+
+
+def _fold_in(work: torch.Tensor, op: object, group: ProcessGroup | None, pool: BufferPool) -> bool:
+    """Fold the ranks above the largest power of two into a partner; True on such an extra."""
+    rank, p = group_rank_and_size(group)
+    p2 = 1 << (p.bit_length() - 1)
+    if rank >= p2:
+        dist.send(work, global_rank(group, rank - p2), group=group)
+        return True
+    if rank < p - p2:
+        recv = pool.get("rhd.fold", work.numel(), work.dtype, work.device)
+        dist.recv(recv, global_rank(group, rank + p2), group=group)
+        combine_(work, recv, op)
+    return False
+
+
+def _hand_back(work: torch.Tensor, extra: bool, group: ProcessGroup | None) -> None:
+    rank, p = group_rank_and_size(group)
+    p2 = 1 << (p.bit_length() - 1)
+    if extra:
+        dist.recv(work, global_rank(group, rank - p2), group=group)
+    elif rank < p - p2:
+        dist.send(work, global_rank(group, rank + p2), group=group)
+
+
+@profiled("all_reduce")
+def halving_doubling_all_reduce(
+    tensor: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    check: bool = True,
+    pool: BufferPool = DEFAULT_POOL,
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place by Rabenseifner's halving-doubling (see module docstring).
+
+    Same contract as :func:`recursive_doubling_all_reduce` with ``wire="accum"``; 16-bit floats
+    are reduced in float32 and rounded once.
+    """
+    validate_in_place("halving_doubling_all_reduce", group, tensor, op=op, check=check, pool=pool)
+    _, p = group_rank_and_size(group)
+    flat = tensor.view(-1)
+    acc = wire_dtype(tensor.dtype, "accum")
+    work = flat
+    if acc != tensor.dtype:
+        work = pool.get("rhd.work", flat.numel(), acc, flat.device).copy_(flat)
+    if p > 1 and work.numel():
+        extra = _fold_in(work, op, group, pool)
+        if not extra:
+            _double_back_(work, _halve_(work, op, group, pool), group)
+        _hand_back(work, extra, group)
+    if op == ReduceOp.AVG:
+        work.div_(p)
+    if work is not flat:
+        flat.copy_(work)
+    return tensor
 
 
 @profiled("all_reduce")
