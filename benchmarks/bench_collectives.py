@@ -4,11 +4,17 @@
     .venv/bin/python benchmarks/bench_collectives.py --four       # then 4 ranks too
     .venv/bin/python benchmarks/bench_collectives.py --algorithms # each all-reduce algorithm alone
     .venv/bin/python benchmarks/bench_collectives.py --min-mb 16 --repeats 9
+    .venv/bin/python benchmarks/bench_collectives.py --algorithms --ops all_reduce \
+        --sizes-mb 1 2 4 8 16 32 64 --repeats 7          # the crossover auto.py's choice rests on
 
 Method (labkit/measure/collectives.py): float32; ours and torch's interleaved round by round,
 alternating which runs first; a barrier before each call; warm-up rounds dropped; the slowest
-rank's time; the median over rounds. busbw as nccl-tests defines it. "ours" is labkit's
-all-reduce (``collectives.auto``: recursive doubling up to ``auto.SMALL_BYTES``, the tuned
+rank's time; the median over rounds. busbw as nccl-tests defines it. A cell is the median over
+rounds of torch time / ours *within* a round, with its spread (p90 - p10)/median
+(labkit/measure/bench_cells.py); past 30% it prints "noisy (spread N%)" instead of a ratio.
+The header prints the small-message floor (labkit/measure/floor.py): one post() swap from
+Python against gloo's 4-byte all-reduce, the reason the two differ at small sizes. "ours" is
+labkit's all-reduce (``collectives.auto``: recursive doubling up to ``auto.SMALL_BYTES``, the tuned
 ring above) and the tuned ring reduce-scatter and all-gather.
 
 Target (2 ranks): ours/torch >= 1.0x at every size for all-reduce, and >= 1.5x from 16 MB up for
@@ -21,14 +27,17 @@ from __future__ import annotations
 import argparse
 
 from labkit.collectives.auto import SMALL_BYTES
+from labkit.measure.bench_cells import cell, ratio_and_spread
 from labkit.measure.collectives import (
     DEFAULT_SIZES,
+    OPS,
     format_table,
     human_bytes,
     memcpy_bandwidth,
     ratios,
     run_bench,
 )
+from labkit.measure.floor import small_message_floor
 
 TARGETS = {"all_reduce": (1.0, 0), "reduce_scatter": (1.5, 16 << 20), "all_gather": (1.5, 16 << 20)}
 
@@ -38,11 +47,21 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--four", action="store_true", help="also run on 4 ranks")
-    parser.add_argument("--algorithms", action="store_true", help="time each all-reduce algorithm")
+    parser.add_argument(
+        "--algorithms",
+        nargs="*",
+        metavar="NAME",
+        help="time each all-reduce algorithm alone (or only the NAMEs, e.g. 'tuned ring')",
+    )
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--min-mb", type=float, default=0, help="skip sizes below this many MB")
     parser.add_argument("--max-mb", type=float, default=256, help="skip sizes above this many MB")
+    parser.add_argument(
+        "--sizes-mb", type=float, nargs="+", help="exact sizes in MB instead of 4 KB, 16 KB, ..."
+    )
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    parser.add_argument("--no-floor", action="store_true", help="skip the small-message floor")
     args = parser.parse_args()
 
     memcpy = memcpy_bandwidth()
@@ -50,26 +69,48 @@ def main() -> None:
         f"single-thread memcpy: {memcpy / 1e9:.2f} GB/s; "
         f"labkit's all-reduce uses recursive doubling up to {human_bytes(SMALL_BYTES)}"
     )
+    if not args.no_floor:
+        print(small_message_floor())
     sizes = [s for s in DEFAULT_SIZES if args.min_mb * 2**20 <= s <= args.max_mb * 2**20]
+    if args.sizes_mb:
+        sizes = [int(mb * 2**20) for mb in args.sizes_mb]
     for world_size in (2, 4) if args.four else (2,):
         records = run_bench(
-            world_size, sizes, repeats=args.repeats, warmup=args.warmup, algorithms=args.algorithms
+            world_size,
+            sizes,
+            args.ops,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            algorithms=args.algorithms or args.algorithms == [],
+        ) if args.algorithms != [] else run_bench(
+            world_size, sizes, args.ops, repeats=args.repeats, warmup=args.warmup, algorithms=True
         )
         print(
             f"\n== {world_size} ranks, gloo, float32: median times; ours/torch = torch time / "
             "ours =="
         )
         print(format_table(records, memcpy=memcpy))
-        if args.algorithms:
-            print("\nall-reduce, each algorithm alone: torch time / its time")
+        for r in records:
+            if r.impl == "ours" and r.op == "all_reduce" and r.nbytes == 256 << 20:
+                print(f"all-reduce busbw at 256 MB: {r.busbw / memcpy:.0%} of memcpy (target 25%)")
+        if args.algorithms is not None:
+            print("\nall-reduce, each algorithm alone: median over rounds of torch time / its time")
             impls = [
                 i for i in dict.fromkeys(r.impl for r in records) if i not in ("ours", "torch")
             ]
-            print(f"{'size':>8}" + "".join(f"{i:>20}" for i in impls))
-            per = {i: ratios(records, i) for i in impls}
-            for n in sizes:
-                cells = [per[i].get(("all_reduce", n)) for i in impls]
-                print(f"{human_bytes(n):>8}" + "".join(f"{c:>19.2f}x" for c in cells if c))
+            print(f"{'size':>8}" + "".join(f"{i:>21}" for i in impls))
+            by = {(r.impl, r.nbytes): r for r in records if r.op == "all_reduce"}
+            for n in sorted({n for _, n in by}):
+                torch_rounds = by[("torch", n)].rounds
+                cells = [
+                    cell(*ratio_and_spread(by[(i, n)].rounds, torch_rounds), 21) for i in impls
+                ]
+                print(f"{human_bytes(n):>8}" + "".join(cells))
+            print("median ms per call (slowest rank), the numbers a noisy cell hides:")
+            print(f"{'size':>8}" + "".join(f"{i:>21}" for i in ["torch", *impls]))
+            for n in sorted({n for _, n in by}):
+                row = [f"{by[(i, n)].time_s * 1e3:>21.2f}" for i in ["torch", *impls]]
+                print(f"{human_bytes(n):>8}" + "".join(row))
         if world_size != 2:
             continue
         print("\ntargets (2 ranks):")

@@ -210,7 +210,6 @@ def test_crash_between_the_renames_of_a_resave_keeps_the_good_checkpoint(tmp_pat
     between the two renames must leave step 2 loadable, and the next save must not prune it."""
     import os
 
-    from labkit.checkpoint import sharded
 
     good, newer = {"w": torch.full((5,), 2.0)}, {"w": torch.full((5,), 20.0)}
     save_checkpoint(tmp_path, 1, {"w": torch.ones(5)}, keep=2)
@@ -222,10 +221,10 @@ def test_crash_between_the_renames_of_a_resave_keeps_the_good_checkpoint(tmp_pat
             raise KeyboardInterrupt("power cut between the renames")
         real_rename(src, dst)
 
-    monkeypatch.setattr(sharded.os, "rename", crash_on_commit)
+    monkeypatch.setattr(os, "rename", crash_on_commit)  # the commit lives in checkpoint.layout
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 2, newer, keep=2)
-    monkeypatch.setattr(sharded.os, "rename", real_rename)
+    monkeypatch.setattr(os, "rename", real_rename)
     assert not (tmp_path / "step_00000002").exists()  # the crash window really was hit
     assert latest_step(tmp_path) == 2
     assert torch.equal(load_checkpoint(tmp_path).state()["w"], good["w"])

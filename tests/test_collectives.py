@@ -590,3 +590,71 @@ def test_nccl_order_checker_on_hand_written_logs() -> None:
     assert any("grouped against ungrouped" in p for p in nccl_problems(mixed))
     # a message nobody receives
     assert any("deadlock" in p for p in nccl_problems([[_call("send", 1, 0)], []]))
+
+
+def _halving_doubling_cases() -> dict[str, object]:
+    """Rabenseifner's all-reduce against torch's on sizes not divisible by p, ops, dtypes."""
+    from labkit.collectives import tree
+    from labkit.collectives.nccl_order import record_p2p
+    from labkit.collectives.pool import BufferPool
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad: list[str] = []
+    log: list[P2PCall] = []
+    with record_p2p(log):
+        for case, (n, dtype, op) in enumerate(
+            [(0, torch.float32, ReduceOp.SUM), (1, torch.float32, ReduceOp.SUM)]
+            + [(n, torch.float32, ReduceOp.SUM) for n in (2, 5, 7, 13, 1001)]
+            + [(11, torch.float32, ReduceOp.MAX), (9, torch.float32, ReduceOp.AVG)]
+            + [(10, torch.bfloat16, ReduceOp.SUM)]
+        ):
+            # integer-valued floats: every summation order gives the same bits
+            x = torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(case + rank))
+            ours, ref = x.to(dtype), x.to(dtype)
+            tree.halving_doubling_all_reduce(ours, op)
+            dist.all_reduce(ref, op)
+            if not torch.equal(ours, ref):
+                bad.append(f"n={n} {dtype} {op}: {ours.tolist()} != {ref.tolist()}")
+    # negative control: the halving alone (no all-gather back) is a reduce-scatter, not a result
+    x = torch.arange(13.0) + rank
+    ref = x.clone()
+    dist.all_reduce(ref)
+    if world & (world - 1) == 0:  # power of two: no fold-in, so the halving runs on every rank
+        tree._halve_(x, ReduceOp.SUM, None, BufferPool())
+    return {"bad": bad, "log": log, "halved_only_equal": bool(torch.equal(x, ref))}
+
+
+@pytest.mark.timeout(120)
+def test_halving_doubling_equals_torch_all_reduce_and_is_nccl_safe() -> None:
+    for world in (2, 3, 4):
+        results = run_ranks(_halving_doubling_cases, world_size=world, timeout=100)
+        for rank, res in enumerate(results):
+            assert res["bad"] == [], f"p={world} rank {rank}: {res['bad']}"
+        logs = [res["log"] for res in results]
+        assert all(len(log) > 0 for log in logs)  # type: ignore[arg-type]
+        assert nccl_problems(logs) == []  # type: ignore[arg-type]
+        if world in (2, 4):
+            assert not any(res["halved_only_equal"] for res in results)
+
+
+def test_bench_cells_print_ratio_and_spread_and_refuse_a_noisy_ratio() -> None:
+    from labkit.measure.bench_cells import cell, ratio_and_spread
+
+    # steady rounds: torch 1.2x slower in every round -> ratio 1.20, no spread
+    ratio, spread = ratio_and_spread([1.0] * 5, [1.2] * 5)
+    assert ratio == pytest.approx(1.2) and spread == pytest.approx(0.0)
+    assert cell(ratio, spread).strip() == "1.20x (0%)"
+    # load common to both contenders in a round cancels: every round's ratio is still 2
+    ratio, spread = ratio_and_spread([1.0, 3.0, 1.0, 5.0, 1.0], [2.0, 6.0, 2.0, 10.0, 2.0])
+    assert ratio == pytest.approx(2.0) and spread == pytest.approx(0.0)
+    # ratios 1.0 .. 1.4 over 5 rounds: p10 = 1.04, p90 = 1.36, median 1.2 -> spread 26.7%
+    ratio, spread = ratio_and_spread([1.0] * 5, [1.0, 1.1, 1.2, 1.3, 1.4])
+    assert ratio == pytest.approx(1.2) and spread == pytest.approx(0.32 / 1.2)
+    assert cell(ratio, spread).strip() == "1.20x (27%)"
+    # negative control: rounds that disagree (0.5x .. 2x) print no ratio at all
+    ratio, spread = ratio_and_spread([1.0] * 5, [0.5, 0.8, 1.0, 1.5, 2.0])
+    assert spread > 0.30
+    assert cell(ratio, spread).strip() == f"noisy (spread {spread:.0%})"
+    assert "x" not in cell(ratio, spread)
+    with pytest.raises(ValueError, match="same non-zero number of rounds, got 2 ours, 3"):
+        ratio_and_spread([1.0, 1.0], [1.0, 1.0, 1.0])

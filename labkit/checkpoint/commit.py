@@ -35,10 +35,10 @@ from typing import Any
 import torch.distributed as dist
 
 from labkit.checkpoint.layout import (
-    PREV,
-    STEP_DIR,
     CheckpointError,
+    commit_folder,
     fsync_dir,
+    prune,
     restore_displaced,
     step_dir,
     write_durable,
@@ -123,24 +123,6 @@ def commit(
     fsync_dir(tmp)
     if fault is not None:
         fault("before_commit")
-    prev = root / f"{PREV}{final.name}"
-    if final.exists():  # re-saving a step (after resuming from an older one)
-        os.rename(final, prev)  # still readable as step N until the commit below
-    os.rename(tmp, final)  # the commit
-    fsync_dir(root)
-    shutil.rmtree(prev, ignore_errors=True)
+    commit_folder(root, tmp, final)
     prune(root, keep)
     return final
-
-
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` committed steps; old ones become ``.trash-*`` before deletion
-    (a half-deleted folder never looks like a checkpoint). A ``.tmp-step_M`` is debris of a
-    crashed save only when M is not newer than the newest commit (saves run one at a time)."""
-    committed = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name))
-    for old in committed[:-keep]:
-        os.rename(old, root / f".trash-{old.name}-{time.time_ns()}")
-    newest = committed[-1].name if committed else ""
-    stale = [t for t in root.glob(".tmp-step_*") if t.name.removeprefix(".tmp-") <= newest]
-    for debris in [*root.glob(".trash-*"), *stale]:
-        shutil.rmtree(debris, ignore_errors=True)

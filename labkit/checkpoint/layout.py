@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,13 @@ __all__ = [
     "STEP_DIR",
     "TENSOR",
     "CheckpointError",
+    "commit_folder",
+    "committed_folder",
     "committed_steps",
     "fsync_dir",
     "join_tree",
     "latest_step",
+    "prune",
     "restore_displaced",
     "shard_range",
     "split_tree",
@@ -134,3 +138,47 @@ def restore_displaced(root: Path) -> None:
         else:
             os.rename(prev, final)
     fsync_dir(root)
+
+
+def commit_folder(root: Path, tmp: Path, final: Path) -> Path:
+    """The commit: ``tmp`` (complete, its metadata on the disk) becomes ``final`` by a rename.
+    Re-saving a committed step first moves the old copy aside as ``.prev-step_N``, still
+    readable as step N (:func:`committed_steps`) until the rename; so at every instant a
+    committed step N exists."""
+    prev = root / f"{PREV}{final.name}"
+    if final.exists():  # re-saving a step (after resuming from an older one)
+        os.rename(final, prev)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    shutil.rmtree(prev, ignore_errors=True)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` committed steps; old ones become ``.trash-*`` before deletion
+    (a half-deleted folder never looks like a checkpoint). A ``.tmp-step_M`` is debris of a
+    crashed save only when M is not newer than the newest commit (saves run one at a time,
+    so a newer one may be an asynchronous save still in flight)."""
+    committed = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name))
+    for old in committed[:-keep]:
+        os.rename(old, root / f".trash-{old.name}-{time.time_ns()}")
+    newest = committed[-1].name if committed else ""
+    stale = [t for t in root.glob(".tmp-step_*") if t.name.removeprefix(".tmp-") <= newest]
+    for debris in [*root.glob(".trash-*"), *stale]:
+        shutil.rmtree(debris, ignore_errors=True)
+
+
+def committed_folder(root: str | Path, step: int | None = None) -> Path:
+    """The folder of committed step ``step`` (default: the newest) under ``root``: ``step_N``,
+    or ``.prev-step_N`` when a re-save of it crashed between its renames."""
+    root = Path(root)
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint (step_*/metadata.json) under {root}")
+    path = step_dir(root, step)
+    if not path.is_dir():
+        path = path.with_name(PREV + path.name)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint folder {step_dir(root, step)}")
+    return path

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from labkit.checkpoint.layout import CheckpointError, latest_step, step_dir, to_bytes
+from labkit.checkpoint.layout import CheckpointError, committed_folder, to_bytes
 from labkit.checkpoint.reshard import Place, plan_read
 
 __all__ = ["FORMAT", "LogicalCheckpoint", "LogicalState", "encode", "load_logical", "merge"]
@@ -204,14 +204,5 @@ class LogicalCheckpoint:
 
 def load_logical(root: str | Path, step: int | None = None) -> LogicalCheckpoint:
     """Open logical checkpoint ``step`` (default: the newest committed one) under ``root``."""
-    root = Path(root)
-    if step is None:
-        step = latest_step(root)
-        if step is None:
-            raise CheckpointError(f"no committed checkpoint (step_*/metadata.json) under {root}")
-    path = step_dir(root, step)
-    if not path.is_dir():  # a re-save of this step may have crashed between its renames
-        path = path.with_name(".prev-" + path.name)
-    if not path.is_dir():
-        raise CheckpointError(f"no checkpoint folder {step_dir(root, step)}")
+    path = committed_folder(root, step)
     return LogicalCheckpoint(path)

@@ -49,7 +49,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -61,12 +60,13 @@ import torch.distributed as dist
 
 from labkit.checkpoint.layout import (
     FORMAT,
-    PREV,
-    STEP_DIR,
     CheckpointError,
+    commit_folder,
+    committed_folder,
     fsync_dir,
     join_tree,
     latest_step,
+    prune,
     restore_displaced,
     shard_range,
     split_tree,
@@ -158,25 +158,11 @@ def save_checkpoint(
                 "files": files, "tensors": table}  # fmt: skip
         write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
         fsync_dir(tmp)
-        prev = root / f"{PREV}{final.name}"
-        if final.exists():  # re-saving a step (after resuming from an older one)
-            os.rename(final, prev)  # still readable as step N until the commit below
-        os.rename(tmp, final)  # the commit
-        fsync_dir(root)
-        shutil.rmtree(prev, ignore_errors=True)
-        _prune(root, keep)
+        commit_folder(root, tmp, final)
+        prune(root, keep)
     if distributed:
         dist.barrier(group)  # nobody moves on until the checkpoint is committed
     return final
-
-
-def _prune(root: Path, keep: int) -> None:
-    committed = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name))
-    for old in committed[:-keep]:
-        trash = root / f".trash-{old.name}-{time.time_ns()}"
-        os.rename(old, trash)
-    for debris in [*root.glob(".trash-*"), *root.glob(".tmp-*")]:  # .tmp-*: crashed saves
-        shutil.rmtree(debris, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ load
@@ -258,14 +244,5 @@ class Checkpoint:
 
 def load_checkpoint(root: str | Path, step: int | None = None) -> Checkpoint:
     """Open checkpoint ``step`` (default: the newest committed one) under ``root``, verified."""
-    root = Path(root)
-    if step is None:
-        step = latest_step(root)
-        if step is None:
-            raise CheckpointError(f"no committed checkpoint (step_*/metadata.json) under {root}")
-    path = step_dir(root, step)
-    if not path.is_dir():  # a re-save of this step may have crashed between its renames
-        path = path.with_name(PREV + path.name)
-    if not path.is_dir():
-        raise CheckpointError(f"no checkpoint folder {step_dir(root, step)}")
+    path = committed_folder(root, step)
     return Checkpoint(path)

@@ -46,8 +46,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from labkit.collectives.common import (
     DEFAULT_POOL,
-    chunk_offsets,
     BufferPool,
+    chunk_offsets,
     combine_,
     exchange,
     global_rank,

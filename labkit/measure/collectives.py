@@ -38,7 +38,8 @@ from labkit.collectives.cost_model import busbw_factor
 from labkit.collectives.naive import naive_all_reduce
 from labkit.collectives.ring import ring_all_reduce
 from labkit.collectives.ring_tuned import tuned_all_gather, tuned_all_reduce, tuned_reduce_scatter
-from labkit.collectives.tree import recursive_doubling_all_reduce
+from labkit.collectives.tree import halving_doubling_all_reduce, recursive_doubling_all_reduce
+from labkit.measure.bench_cells import cell, ratio_and_spread
 from labkit.measure.ping_pong import pair_one_way, ping_pong
 from labkit.measure.ring_trace import ring_snapshots, traced_ring
 from labkit.measure.timing import spread
@@ -75,6 +76,7 @@ class BenchRecord:
     busbw: float
     time_min: float = 0.0
     time_max: float = 0.0
+    rounds: tuple[float, ...] = ()  # every round's time (slowest rank), in round order
 
 
 def _native(name: str, old: str) -> Callable[..., object]:
@@ -83,7 +85,7 @@ def _native(name: str, old: str) -> Callable[..., object]:
 
 
 def _runs(
-    full: torch.Tensor, shard: torch.Tensor, algorithms: bool
+    full: torch.Tensor, shard: torch.Tensor, algorithms: bool | Sequence[str]
 ) -> dict[str, dict[str, Callable[[], object]]]:
     """op -> {"ours": call, "torch": call, ...} on preallocated tensors."""
     all_reduce: dict[str, Callable[[], object]] = {
@@ -94,7 +96,10 @@ def _runs(
         all_reduce["tuned ring"] = lambda: tuned_all_reduce(full)
         all_reduce["readable ring"] = lambda: ring_all_reduce(full)
         all_reduce["recursive doubling"] = lambda: recursive_doubling_all_reduce(full)
+        all_reduce["halving-doubling"] = lambda: halving_doubling_all_reduce(full)
         all_reduce["naive"] = lambda: naive_all_reduce(full)
+        if not isinstance(algorithms, bool):  # only the named ones (fewer: shorter rounds)
+            all_reduce = {k: f for k, f in all_reduce.items() if k in ("ours", "torch", *algorithms)}
     return {
         "all_reduce": all_reduce,
         "reduce_scatter": {
@@ -114,7 +119,7 @@ def _rank_bench(
     repeats: int,
     warmup: int,
     dtype: torch.dtype,
-    algorithms: bool,
+    algorithms: bool | Sequence[str],
 ) -> dict[str, list[float]]:
     """Runs on every rank: this rank's time of every round, keyed ``op|impl|nbytes``."""
     from labkit.launch import local_device
@@ -154,13 +159,14 @@ def run_bench(
     repeats: int = 5,
     warmup: int = 1,
     dtype: torch.dtype = torch.float32,
-    algorithms: bool = False,
+    algorithms: bool | Sequence[str] = False,
     timeout: float = 600.0,
 ) -> list[BenchRecord]:
     """Benchmark ``ops`` at each size (bytes) on ``world_size`` gloo ranks, contenders interleaved.
 
     ``impl`` of a record is "ours" or "torch"; with ``algorithms=True`` the all-reduce also
-    times each algorithm alone ("tuned ring", "readable ring", "recursive doubling", "naive").
+    times each algorithm alone ("tuned ring", "readable ring", "recursive doubling",
+    "halving-doubling", "naive"); a sequence of those names times only them.
     """
     bad = [op for op in ops if op not in OPS]
     if bad or not sizes or repeats < 1 or warmup < 0:
@@ -186,11 +192,23 @@ def run_bench(
     records = []
     for key in per_rank[0]:
         op, impl, nbytes = key.split("|")
-        s = spread([max(rank_times[key][i] for rank_times in per_rank) for i in range(repeats)])
+        rounds = [max(rank_times[key][i] for rank_times in per_rank) for i in range(repeats)]
+        s = spread(rounds)
         algbw = int(nbytes) / s.median
         busbw = algbw * busbw_factor(op, world_size)
         records.append(
-            BenchRecord(op, impl, world_size, int(nbytes), s.median, algbw, busbw, s.min, s.max)
+            BenchRecord(
+                op,
+                impl,
+                world_size,
+                int(nbytes),
+                s.median,
+                algbw,
+                busbw,
+                s.min,
+                s.max,
+                tuple(rounds),
+            )
         )
     return records
 
@@ -229,17 +247,21 @@ def _ms(seconds: float) -> str:
 def format_table(
     records: Sequence[BenchRecord], ops: Sequence[str] = OPS, memcpy: float | None = None
 ) -> str:
-    """One line per (op, size): median times, ours's busbw, the ratio torch time / ours."""
+    """One line per (op, size): median times, ours's busbw, and the cell of ``bench_cells``:
+    the median per-round ratio torch time / ours with its spread, or "noisy (spread N%)"."""
     by = {(r.op, r.impl, r.nbytes): r for r in records}
-    cols = f"{'op':<15}{'size':>8}{'ours':>11}{'torch':>11}{'ours busbw':>13}{'ours/torch':>12}"
-    lines = [cols + ("  ours/memcpy" if memcpy else "")]
+    cols = f"{'op':<15}{'size':>8}{'ours':>11}{'torch':>11}{'ours busbw':>13}"
+    lines = [cols + f"{'ours/torch (spread)':>21}" + ("  ours/memcpy" if memcpy else "")]
     for (op, n), ratio in ratios(records).items():
         if op not in ops:
             continue
         ours, native = by[(op, "ours", n)], by[(op, "torch", n)]
+        spread_ = 0.0
+        if ours.rounds and native.rounds:
+            ratio, spread_ = ratio_and_spread(ours.rounds, native.rounds)
         line = (
             f"{op:<15}{human_bytes(n):>8}{_ms(ours.time_s):>11}{_ms(native.time_s):>11}"
-            f"{_rate(ours.busbw):>13}{ratio:>11.2f}x"
+            f"{_rate(ours.busbw):>13}{cell(ratio, spread_, 21)}"
         )
         lines.append(line + (f"{ours.busbw / memcpy:>13.0%}" if memcpy else ""))
     return "\n".join(lines)

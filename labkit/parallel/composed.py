@@ -4,8 +4,9 @@ for two steps; its single-process reference is :mod:`labkit.parallel.composed_re
 The composition order is :func:`labkit.parallel.compose`'s (experts lifted -> tp -> ep -> cp
 -> activation checkpointing -> pipeline -> data parallelism), and the pipeline cut is 3D's
 (:func:`~labkit.parallel.threed.pipeline_hook`), used for pp = 1 too (one stage holding
-everything); MoE layers become expert-parallel over ep and attention context-parallel over cp inside compose
-(:mod:`labkit.parallel.cp_ep`), each cp rank feeding its chunks of the sequence. Data
+everything); MoE layers become expert-parallel over ep and attention context-parallel over
+cp inside compose (:mod:`labkit.parallel.cp_ep`), each cp rank feeding its chunks of the
+sequence. Data
 parallelism, over ``dp_cp_group`` (dense gradients average over every rank whose tokens the
 loss counts), is one of:
 
