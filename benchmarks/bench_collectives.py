@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/bench_collectives.py --four       # then 4 ranks too
     .venv/bin/python benchmarks/bench_collectives.py --algorithms # each all-reduce algorithm alone
     .venv/bin/python benchmarks/bench_collectives.py --min-mb 16 --repeats 9
-    .venv/bin/python benchmarks/bench_collectives.py --algorithms --ops all_reduce \
-        --sizes-mb 1 2 4 8 16 32 64 --repeats 7          # the crossover auto.py's choice rests on
+    .venv/bin/python benchmarks/bench_collectives.py --ops all_reduce --sizes-mb 1 2 4 8 16 32 64 \
+        --algorithms "tuned ring" "recursive doubling" "halving-doubling" --repeats 15  # auto.py
 
 Method (labkit/measure/collectives.py): float32; ours and torch's interleaved round by round,
 alternating which runs first; a barrier before each call; warm-up rounds dropped; the slowest
@@ -81,9 +81,7 @@ def main() -> None:
             args.ops,
             repeats=args.repeats,
             warmup=args.warmup,
-            algorithms=args.algorithms or args.algorithms == [],
-        ) if args.algorithms != [] else run_bench(
-            world_size, sizes, args.ops, repeats=args.repeats, warmup=args.warmup, algorithms=True
+            algorithms=True if args.algorithms == [] else (args.algorithms or False),
         )
         print(
             f"\n== {world_size} ranks, gloo, float32: median times; ours/torch = torch time / "

@@ -658,3 +658,13 @@ def test_bench_cells_print_ratio_and_spread_and_refuse_a_noisy_ratio() -> None:
     assert "x" not in cell(ratio, spread)
     with pytest.raises(ValueError, match="same non-zero number of rounds, got 2 ours, 3"):
         ratio_and_spread([1.0, 1.0], [1.0, 1.0, 1.0])
+
+
+def test_floor_takes_the_slowest_rank_per_round_then_medians() -> None:
+    from labkit.measure.floor import floor_from_times
+
+    # rank 1 is slower at the swap, rank 0 at gloo's call: a round is its slowest rank's
+    got = floor_from_times([([1e-4, 1e-4, 1e-4], [2e-4] * 3), ([1.5e-4] * 3, [1e-4] * 3)])
+    assert got.post_s == pytest.approx(1.5e-4) and got.native_s == pytest.approx(2e-4)
+    assert got.ratio == pytest.approx(2 / 1.5) and got.spread == 0.0 and got.rounds == 3
+    assert "native/post 1.33x" in str(got)

@@ -49,7 +49,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labkit.checkpoint.commit import prepare, rank_and_size
 from labkit.checkpoint.layout import (
     FORMAT,
     CheckpointError,
@@ -67,10 +67,8 @@ from labkit.checkpoint.layout import (
     join_tree,
     latest_step,
     prune,
-    restore_displaced,
     shard_range,
     split_tree,
-    step_dir,
     to_bytes,
     write_durable,
 )
@@ -106,18 +104,9 @@ def save_checkpoint(
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if distributed else 0
-    world_size = dist.get_world_size(group) if distributed else 1
+    rank, world_size = rank_and_size(group)
     root = Path(root)
-    tmp, final = root / f".tmp-step_{step:08d}", step_dir(root, step)
-
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        restore_displaced(root)  # before pruning can count (or delete) anything
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of this step
-        tmp.mkdir()
-    if distributed:
-        dist.barrier(group)
+    tmp, final = prepare(root, step, group)  # collective: the empty .tmp-step_N, and step_N
 
     tensors: dict[str, torch.Tensor] = {}
     skeleton = split_tree(state, "", tensors)

@@ -59,7 +59,8 @@ def batch(cfg: LabConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :, :-1], data[:, :, 1:]
 
 
-def _model(cfg: LabConfig) -> GPT:
+def build_model(cfg: LabConfig) -> GPT:
+    """The lab's GPT, seeded, with the ``FROZEN`` parameters frozen: every run starts here."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
     for name, p in model.named_parameters():
@@ -70,7 +71,7 @@ def _model(cfg: LabConfig) -> GPT:
 def reference(cfg: LabConfig, replicas: int | None = None) -> dict[str, Any]:
     """One process: gradient accumulation over all dp * m micro-batches, torch's AdamW
     (``replicas``: use only the first replicas' micro-batches, a negative control)."""
-    model = _model(cfg)
+    model = build_model(cfg)
     a = cfg.adam
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
@@ -107,7 +108,7 @@ def train(cfg: LabConfig, verbose: bool = False) -> dict[str, Any]:
     replica 0 only, else {}), the step times, and the checksum (rank 0: every stage's)."""
     t = cfg.threed
     device = local_device()  # cuda:LOCAL_RANK under NCCL, else the CPU
-    job = build_threed(_model(cfg).to(device), t, cfg.adam)
+    job = build_threed(build_model(cfg).to(device), t, cfg.adam)
     d, m = job.dp_rank, t.micro_batches
     losses, times, parts = [], [], []
     for step in range(cfg.steps):

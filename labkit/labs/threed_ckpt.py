@@ -31,7 +31,7 @@ from labkit.checkpoint import (
     save_logical,
 )
 from labkit.checkpoint.zero_state import ShardInfo, collect, restore
-from labkit.labs.threed import FROZEN, LabConfig, batch, checksum
+from labkit.labs.threed import LabConfig, batch, build_model, checksum
 from labkit.models.gpt import GPT
 from labkit.parallel.threed import ThreeD, build_threed
 from labkit.pipeline.executor import pipeline_step
@@ -95,14 +95,6 @@ def check_checkpoint(cfg: LabConfig, ckpt: LogicalCheckpoint) -> None:
         check_split(key, entry["shape"], entry["tp_dim"], cfg.threed.degrees.tp)
 
 
-def _model(cfg: LabConfig) -> GPT:
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
-    for name, p in model.named_parameters():
-        p.requires_grad_(name not in FROZEN)
-    return model
-
-
 def _step(job: ThreeD, scaler: DynamicLossScaler, x: list[torch.Tensor],
           y: list[torch.Tensor]) -> float | None:  # fmt: skip
     """:meth:`ThreeD.step` with the loss scaled (the optimizer unscales and may skip)."""
@@ -128,7 +120,7 @@ def train(cfg: LabConfig, root: str, save_at: int | None = None, resume: bool = 
     the losses of the steps run, this stage's full parameters (tp rank 0 of replica 0), the
     scaler's state, the step resumed from and whether the RNG was restored."""
     t = cfg.threed
-    job = build_threed(_model(cfg), t, cfg.adam)
+    job = build_threed(build_model(cfg), t, cfg.adam)
     scaler = DynamicLossScaler(init_scale=16.0, growth_interval=2)  # agrees over the world
     job.optimizer.scaler = scaler
     start, rng_restored = 0, False

@@ -99,7 +99,9 @@ def _runs(
         all_reduce["halving-doubling"] = lambda: halving_doubling_all_reduce(full)
         all_reduce["naive"] = lambda: naive_all_reduce(full)
         if not isinstance(algorithms, bool):  # only the named ones (fewer: shorter rounds)
-            all_reduce = {k: f for k, f in all_reduce.items() if k in ("ours", "torch", *algorithms)}
+            all_reduce = {
+                k: f for k, f in all_reduce.items() if k in ("ours", "torch", *algorithms)
+            }
     return {
         "all_reduce": all_reduce,
         "reduce_scatter": {
