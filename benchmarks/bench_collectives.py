@@ -14,8 +14,9 @@ rounds of torch time / ours *within* a round, with its spread (p90 - p10)/median
 (labkit/measure/bench_cells.py); past 30% it prints "noisy (spread N%)" instead of a ratio.
 The header prints the small-message floor (labkit/measure/floor.py): one post() swap from
 Python against gloo's 4-byte all-reduce, the reason the two differ at small sizes. "ours" is
-labkit's all-reduce (``collectives.auto``: recursive doubling up to ``auto.SMALL_BYTES``, the tuned
-ring above) and the tuned ring reduce-scatter and all-gather.
+labkit's all-reduce (``collectives.auto``: recursive doubling up to ``auto.TWO_RANK_BYTES`` on 2
+ranks and ``auto.SMALL_BYTES`` on more, the tuned ring above) and the tuned ring
+reduce-scatter and all-gather.
 
 Target (2 ranks): ours/torch >= 1.0x at every size for all-reduce, and >= 1.5x from 16 MB up for
 reduce-scatter and all-gather. On a shared machine the small sizes are scheduling noise: rerun
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from labkit.collectives.auto import SMALL_BYTES
+from labkit.collectives.auto import SMALL_BYTES, TWO_RANK_BYTES
 from labkit.measure.bench_cells import cell, ratio_and_spread
 from labkit.measure.collectives import (
     DEFAULT_SIZES,
@@ -67,7 +68,8 @@ def main() -> None:
     memcpy = memcpy_bandwidth()
     print(
         f"single-thread memcpy: {memcpy / 1e9:.2f} GB/s; "
-        f"labkit's all-reduce uses recursive doubling up to {human_bytes(SMALL_BYTES)}"
+        f"labkit's all-reduce uses recursive doubling up to {human_bytes(TWO_RANK_BYTES)} on 2 "
+        f"ranks, {human_bytes(SMALL_BYTES)} on more"
     )
     if not args.no_floor:
         print(small_message_floor())

@@ -6,7 +6,35 @@ crossover size latency dominates and recursive doubling wins; above it, the ring
 
 Where the threshold comes from. :class:`AllReduceChoice` holds it, in bytes per rank:
 
-* ``SMALL_BYTES`` (the default, 1 MB) was measured on the 2-core CI machine, gloo, 2 ranks:
+* ``TWO_RANK_BYTES`` (8 MB), the default on 2 ranks, measured 2026-11-26 on the 2-core machine
+  under load (load average 6-9: four engineers' tests), gloo, float32, interleaved rounds::
+
+      .venv/bin/python benchmarks/bench_collectives.py --ops all_reduce \
+          --sizes-mb 1 2 4 8 16 32 64 --repeats 15 \
+          --algorithms "tuned ring" "recursive doubling" "halving-doubling"
+
+  median ms per call (slowest rank), two runs (15 rounds at 1-64 MB; a rerun, 21 rounds, 2-16):
+
+      size     torch        tuned ring     recursive doubling   halving-doubling
+      1 MB     1.37         5.85           2.77                 7.90
+      2 MB     2.56 / 2.03  6.17 / 6.37    2.82 / 4.85          8.93 / 8.69
+      4 MB    13.4  / 5.78 16.4  / 9.98   14.4  / 8.17         19.7  / 9.63
+      8 MB     8.57 / 14.7 14.6  / 20.0   12.1  / 14.1         17.0  / 26.1
+     16 MB    19.5  / 26.3 26.8  / 35.4   29.5  / 32.0         25.1  / 38.5
+     32 MB    38.5         80.1           91.7                 70.4
+     64 MB    91.5         106            129                  149
+
+  Recursive doubling beat the ring at every size up to 8 MB in both runs; 16 MB split (one
+  run each way); from 32 MB the ring won. On 2 ranks recursive doubling is a single swap of
+  the whole vector (no pipelining, but one wait instead of two steps' worth), so it keeps
+  winning far past the 1 MB of the old default. Rabenseifner's halving-doubling (``tree.py``)
+  is, on 2 ranks, the ring without pieces: never the fastest here, so it is not chosen.
+  Every per-round ratio spread past 30% (the benchmark prints "noisy"); the choice rests on
+  medians that agreed across the two runs. None of the three reached torch's time from 1 to
+  16 MB on this loaded machine: the 4-16 MB target is still missed.
+* ``SMALL_BYTES`` (1 MB), the default on 3 or more ranks (not remeasured there; on 4 ranks
+  recursive doubling moves ``2D`` bytes against the ring's ``1.5D``), was measured first on
+  the 2-core CI machine, gloo, 2 ranks:
   ``benchmarks/bench_collectives.py --algorithms`` times each algorithm alone, interleaved
   with torch's. Recursive doubling was as fast as the tuned ring or faster at every size up to
   1 MB (torch time / its time, 21 rounds, busy machine: 4 KB 0.71x vs 0.45x, 64 KB 1.67x vs
@@ -27,24 +55,30 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
-from labkit.collectives.common import DEFAULT_POOL, BufferPool, profiled
+from labkit.collectives.common import DEFAULT_POOL, BufferPool, group_rank_and_size, profiled
 from labkit.collectives.cost_model import crossover_bytes
 from labkit.collectives.ring_tuned import tuned_all_reduce
 from labkit.collectives.tree import recursive_doubling_all_reduce
 
-__all__ = ["SMALL_BYTES", "AllReduceChoice", "all_reduce"]
+__all__ = ["SMALL_BYTES", "TWO_RANK_BYTES", "AllReduceChoice", "all_reduce"]
 
 SMALL_BYTES = 1 << 20  # measured here (see the module docstring)
+TWO_RANK_BYTES = 8 << 20  # measured here on 2 ranks (see the module docstring)
 
 
 @dataclass(frozen=True)
 class AllReduceChoice:
-    """Messages of at most ``small_bytes`` bytes go by recursive doubling, larger ones by ring."""
+    """Messages of at most ``small_bytes`` bytes go by recursive doubling, larger ones by ring.
 
-    small_bytes: int = SMALL_BYTES
+    ``small_bytes=None`` (the default) means the measured thresholds: ``TWO_RANK_BYTES`` on 2
+    ranks, ``SMALL_BYTES`` on more. An explicit number holds for every world size (``0``: the
+    ring always).
+    """
+
+    small_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.small_bytes < 0:
+        if self.small_bytes is not None and self.small_bytes < 0:
             raise ValueError(f"small_bytes must be >= 0, got {self.small_bytes}")
 
     @classmethod
@@ -52,8 +86,14 @@ class AllReduceChoice:
         """The model's crossover for ``p`` ranks and a fitted link, capped at ``SMALL_BYTES``."""
         return cls(int(min(crossover_bytes(p, alpha, beta), SMALL_BYTES)))
 
-    def algorithm(self, nbytes: int) -> str:
-        return "recursive doubling" if nbytes <= self.small_bytes else "ring"
+    def limit(self, p: int) -> int:
+        """The largest message (bytes) that goes by recursive doubling on ``p`` ranks."""
+        if self.small_bytes is not None:
+            return self.small_bytes
+        return TWO_RANK_BYTES if p == 2 else SMALL_BYTES
+
+    def algorithm(self, nbytes: int, p: int = 3) -> str:
+        return "recursive doubling" if nbytes <= self.limit(p) else "ring"
 
 
 @profiled("all_reduce")
@@ -74,6 +114,7 @@ def all_reduce(
     16-bit partials travel as, "accum" (float32, one rounding) or "input" (16 bits, a
     rounding per hop); the bytes and error bounds are in ``ring_tuned.py``.
     """
-    if choice.algorithm(tensor.numel() * tensor.element_size()) == "ring":
+    _, p = group_rank_and_size(group)
+    if choice.algorithm(tensor.numel() * tensor.element_size(), p) == "ring":
         return tuned_all_reduce(tensor, op, group, check=check, pool=pool, wire=wire)
     return recursive_doubling_all_reduce(tensor, op, group, check=check, pool=pool, wire=wire)
