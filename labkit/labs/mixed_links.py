@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit.labs.threed import LabConfig, _model, batch
+from labkit.labs.threed import LabConfig, batch, build_model
 from labkit.launch import launch
 from labkit.measure.mixed_links import measure_links
 from labkit.memory.model import FP32_ADAM
@@ -193,7 +193,7 @@ def train_layouts(cfg: MiniConfig) -> dict[str, Any]:
     links = measure_links(cfg.ranks_per_node, cfg.probe_sizes, cfg.repeats)
     labs = [cfg.lab_config(layout) for layout in cfg.layouts]
     jobs = [
-        build_threed(_model(lab), lab.threed, lab.adam,
+        build_threed(build_model(lab), lab.threed, lab.adam,
                      ordered_layout(layout.degrees, layout.order))
         for lab, layout in zip(labs, cfg.layouts)
     ]  # fmt: skip
