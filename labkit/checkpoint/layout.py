@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 import os
 import re
@@ -33,7 +34,9 @@ __all__ = [
     "fsync_dir",
     "join_tree",
     "latest_step",
+    "load_verified",
     "prune",
+    "read_metadata",
     "restore_displaced",
     "shard_range",
     "split_tree",
@@ -182,3 +185,44 @@ def committed_folder(root: str | Path, step: int | None = None) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint folder {step_dir(root, step)}")
     return path
+
+
+# ------------------------------------------------------------------ verified reads
+def read_metadata(path: Path, fmt: str) -> dict[str, Any]:
+    """``path/metadata.json`` of a checkpoint in format ``fmt``; a clear error otherwise."""
+    meta_file = path / "metadata.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint {path} has no metadata file {meta_file}")
+    try:
+        meta: dict[str, Any] = json.loads(meta_file.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"metadata file {meta_file} is not valid JSON: {exc}") from exc
+    if meta.get("format") != fmt:
+        raise CheckpointError(
+            f"{meta_file}: unknown format {meta.get('format')!r}, expected {fmt!r}"
+        )
+    return meta
+
+
+def load_verified(
+    file: Path, expected: dict[str, Any] | None, holds: str = "", *, verify_only: bool = False
+) -> Any:
+    """``file`` checked against its metadata entry (size, sha256), then unpickled with
+    ``weights_only`` (tensors and plain containers: never run code from a file). ``holds``
+    names what the file carries, for the error when it is missing."""
+    if expected is None or not file.is_file():
+        raise CheckpointError(f"checkpoint file is missing: {file}{holds and f' (holds {holds})'}")
+    data = file.read_bytes()
+    if len(data) != expected["bytes"]:
+        raise CheckpointError(
+            f"checkpoint file is truncated: {file} has {len(data)} bytes, "
+            f"expected {expected['bytes']}"
+        )
+    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"checkpoint file is corrupt (sha256 mismatch): {file}")
+    if verify_only:
+        return None
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {file} with weights_only=True: {exc}") from exc

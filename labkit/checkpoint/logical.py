@@ -22,9 +22,6 @@ against its sha256 first (a flipped byte is refused) and unpickled ``weights_onl
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +29,13 @@ from typing import Any
 
 import torch
 
-from labkit.checkpoint.layout import CheckpointError, committed_folder, to_bytes
+from labkit.checkpoint.layout import (
+    CheckpointError,
+    committed_folder,
+    load_verified,
+    read_metadata,
+    to_bytes,
+)
 from labkit.checkpoint.reshard import Place, plan_read
 
 __all__ = ["FORMAT", "LogicalCheckpoint", "LogicalState", "encode", "load_logical", "merge"]
@@ -105,17 +108,7 @@ class LogicalCheckpoint:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        meta_file = path / "metadata.json"
-        if not meta_file.is_file():
-            raise CheckpointError(f"checkpoint {path} has no metadata file {meta_file}")
-        try:
-            self.meta: dict[str, Any] = json.loads(meta_file.read_text())
-        except ValueError as exc:
-            raise CheckpointError(f"metadata file {meta_file} is not valid JSON: {exc}") from exc
-        if self.meta.get("format") != FORMAT:
-            raise CheckpointError(
-                f"{meta_file}: format {self.meta.get('format')!r}, expected {FORMAT!r}"
-            )
+        self.meta: dict[str, Any] = read_metadata(path, FORMAT)
         self.step: int = self.meta["step"]
         self.world_size: int = self.meta["world_size"]
         self.tensors: dict[str, dict[str, Any]] = self.meta["tensors"]
@@ -131,19 +124,7 @@ class LogicalCheckpoint:
         """Rank file ``name``, verified (size, sha256) and unpickled weights_only, cached."""
         if name in self._cache:
             return self._cache[name]
-        file, expected = self.path / name, self.meta["files"].get(name)
-        if expected is None or not file.is_file():
-            raise CheckpointError(f"checkpoint file is missing: {file} (holds {self._holds(name)})")
-        data = file.read_bytes()
-        if len(data) != expected["bytes"]:
-            raise CheckpointError(f"checkpoint file is truncated: {file} has {len(data)} bytes, "
-                                  f"expected {expected['bytes']}")  # fmt: skip
-        if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            raise CheckpointError(f"checkpoint file is corrupt (sha256 mismatch): {file}")
-        try:
-            obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as exc:
-            raise CheckpointError(f"cannot load {file} with weights_only=True: {exc}") from exc
+        obj = load_verified(self.path / name, self.meta["files"].get(name), self._holds(name))
         self._cache[name] = obj
         return obj
 

@@ -46,8 +46,6 @@ shards it reads. Assumes a filesystem all ranks share.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import time
 from collections.abc import Callable
@@ -66,7 +64,9 @@ from labkit.checkpoint.layout import (
     fsync_dir,
     join_tree,
     latest_step,
+    load_verified,
     prune,
+    read_metadata,
     shard_range,
     split_tree,
     to_bytes,
@@ -160,17 +160,7 @@ class Checkpoint:
 
     def __init__(self, path: Path):
         self.path = path
-        meta_file = path / "metadata.json"
-        if not meta_file.is_file():
-            raise CheckpointError(f"checkpoint {path} has no metadata file {meta_file}")
-        try:
-            self.meta = json.loads(meta_file.read_text())
-        except ValueError as exc:
-            raise CheckpointError(f"metadata file {meta_file} is not valid JSON: {exc}") from exc
-        if self.meta.get("format") != FORMAT:
-            raise CheckpointError(
-                f"{meta_file}: unknown format {self.meta.get('format')!r}, expected {FORMAT!r}"
-            )
+        self.meta = read_metadata(path, FORMAT)
         self.step: int = self.meta["step"]
         self.world_size: int = self.meta["world_size"]
         self._cache: dict[str, Any] = {}
@@ -180,23 +170,9 @@ class Checkpoint:
     def _read(self, name: str, verify_only: bool = False) -> Any:
         if name in self._cache:
             return self._cache[name]
-        file, expected = self.path / name, self.meta["files"][name]
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file is missing: {file}")
-        data = file.read_bytes()
-        if len(data) != expected["bytes"]:
-            raise CheckpointError(
-                f"checkpoint file is truncated: {file} has {len(data)} bytes, "
-                f"expected {expected['bytes']}"
-            )
-        if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            raise CheckpointError(f"checkpoint file is corrupt (sha256 mismatch): {file}")
+        obj = load_verified(self.path / name, self.meta["files"][name], verify_only=verify_only)
         if verify_only:
             return None
-        try:  # weights_only: tensors and plain containers; never run code from a file
-            obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as exc:
-            raise CheckpointError(f"cannot load {file} with weights_only=True: {exc}") from exc
         self._cache[name] = obj
         return obj
 
