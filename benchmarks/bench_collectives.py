@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_collectives.py              # 2 ranks, 4 KB .. 256 MB
     .venv/bin/python benchmarks/bench_collectives.py --four       # then 4 ranks too
+    .venv/bin/python benchmarks/bench_collectives.py --ranks 4    # 4 ranks only
     .venv/bin/python benchmarks/bench_collectives.py --algorithms # each all-reduce algorithm alone
     .venv/bin/python benchmarks/bench_collectives.py --min-mb 16 --repeats 9
     .venv/bin/python benchmarks/bench_collectives.py --ops all_reduce --sizes-mb 1 2 4 8 16 32 64 \
@@ -47,6 +48,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--four", action="store_true", help="also run on 4 ranks")
+    parser.add_argument("--ranks", type=int, nargs="+", help="world sizes to run (default 2)")
     parser.add_argument(
         "--algorithms",
         nargs="*",
@@ -75,7 +77,7 @@ def main() -> None:
     sizes = [s for s in DEFAULT_SIZES if args.min_mb * 2**20 <= s <= args.max_mb * 2**20]
     if args.sizes_mb:
         sizes = [int(mb * 2**20) for mb in args.sizes_mb]
-    for world_size in (2, 4) if args.four else (2,):
+    for world_size in args.ranks or ((2, 4) if args.four else (2,)):
         records = run_bench(
             world_size,
             sizes,

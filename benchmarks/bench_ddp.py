@@ -4,7 +4,7 @@
 
 Two workloads (see labkit/ddp/timing.py): a compute-bound CNN and a communication-bound MLP
 (5.8 M parameters). Each step = forward + backward + gradient sync + SGD step, median over
-steps the slower rank's time. Target: overlapped <= 1.05x torch DDP on both.
+steps the slower rank's time. Target: overlapped <= 1.0x torch DDP on both (issue 26; it was 1.05x).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def main() -> None:
                 print(f"{workload:10s}{name:12s}{t * 1e3:10.1f}{t / ref:12.2f}x")
     for workload in ("cnn", "mlp"):
         ratio = times[(workload, "overlapped")] / times[(workload, "torch DDP")]
-        verdict = "meets" if ratio <= 1.05 else "MISSES"
-        print(f"overlapped/torch DDP on {workload}: {ratio:.3f}x ({verdict} the 1.05x target)")
+        verdict = "meets" if ratio <= 1.0 else "MISSES"
+        print(f"overlapped/torch DDP on {workload}: {ratio:.3f}x ({verdict} the 1.0x target)")
 
 
 if __name__ == "__main__":

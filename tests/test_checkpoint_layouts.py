@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -108,8 +109,11 @@ def _dcp_of_reference(root: str) -> None:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("layouts"))
-    run_ranks(_save_all, root, world_size=4, timeout=240)
-    _dcp_of_reference(root)
+    # DCP's own save of the reference (this process, its own folders) while the ranks save
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        dcp = pool.submit(_dcp_of_reference, root)
+        run_ranks(_save_all, root, world_size=4, timeout=240)
+        dcp.result()
     cases = {4: [*LOADS[4], ("from-dcp", "DCP -> dp1 tp2 pp2", _cfg(1, 2, 2))], 3: LOADS[3]}
     res = {w: run_ranks(_load_all, root, cases[w], f"w{w}-", world_size=w, timeout=240)
            for w in (4, 3)}  # fmt: skip

@@ -615,6 +615,18 @@ def _halving_doubling_cases() -> dict[str, object]:
             dist.all_reduce(ref, op)
             if not torch.equal(ours, ref):
                 bad.append(f"n={n} {dtype} {op}: {ours.tolist()} != {ref.tolist()}")
+        # recursive doubling on a vector of megabytes, an odd count of elements
+        n = 3 * (1 << 18) + 7
+        for case, (dtype, op) in enumerate(
+            [(torch.float32, ReduceOp.SUM), (torch.bfloat16, ReduceOp.SUM),
+             (torch.float32, ReduceOp.MAX)]
+        ):  # fmt: skip
+            x = torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(case + rank))
+            ours, ref = x.to(dtype), x.to(dtype)
+            tree.recursive_doubling_all_reduce(ours, op)
+            dist.all_reduce(ref, op)
+            if not torch.equal(ours, ref):
+                bad.append(f"recursive doubling n={n} {dtype} {op}: differs from torch's")
     # negative control: the halving alone (no all-gather back) is a reduce-scatter, not a result
     x = torch.arange(13.0) + rank
     ref = x.clone()

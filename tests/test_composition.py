@@ -14,6 +14,7 @@ missing replica 1's micro-batches, are all detected as different.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from itertools import combinations
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from labkit.parallel.matrix import (
     uncovered_pairs,
     valid_pairs,
 )
+from labkit.reference import Trace
 from tests.ranks import run_ranks
 
 # A seam the issue found by hand (tp on labkit's ring under overlapped DDP on the ring,
@@ -192,6 +194,24 @@ def _train(combos: list[Combo], wrong: list[str | None]) -> list[dict]:
     return train_combos(combos, wrong)
 
 
+def _one_replica_control(c: Combo, wrong: str | None, world: int) -> bool:
+    return wrong is None and world == 2 and c.precision == "fp32" and c.cp == "1"
+
+
+def _references(
+    combos: list[Combo], wrong: list[str | None], world: int
+) -> tuple[list[Trace], dict[int, Trace]]:
+    """Each configuration's reference, and (negative control) the reference without replica
+    1's micro-batches where the test compares against it."""
+    refs = [reference(c) for c in combos]
+    one = {
+        i: reference(c, replicas=1)
+        for i, c in enumerate(combos)
+        if _one_replica_control(c, wrong[i], world)
+    }
+    return refs, one
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_matrix_on_ranks(world: int) -> None:
     from labkit.parallel.composed import check
@@ -209,22 +229,30 @@ def test_matrix_on_ranks(world: int) -> None:
     if world == 2:  # the negative controls ride along in the cheapest world
         runnable += [c for c, _ in WRONG]
         wrong += [w for _, w in WRONG]
-    try:
-        out = run_ranks(_train, runnable, wrong, world_size=world, timeout=240)
-    except Exception as exc:  # noqa: BLE001 - a rank died or hung: name what was running
-        names = "\n".join(c.name for c in runnable)
-        pytest.fail(f"the {world}-rank batch broke, running:\n{names}\n{type(exc).__name__}: {exc}")
+    # The single-process references (seconds: a third of this test's time) are computed in a
+    # thread while the ranks train: this process only waits on them meanwhile, and uses no
+    # torch state (RNG, grad mode, dtype) a reference run sets.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        refs = pool.submit(_references, runnable, wrong, world)
+        try:
+            out = run_ranks(_train, runnable, wrong, world_size=world, timeout=240)
+        except Exception as exc:  # noqa: BLE001 - a rank died or hung: name what was running
+            names = "\n".join(c.name for c in runnable)
+            pytest.fail(
+                f"the {world}-rank batch broke, running:\n{names}\n{type(exc).__name__}: {exc}"
+            )
+        ref, one_replica = refs.result()
     for i, c in enumerate(runnable):
         ranks = [r[i] for r in out]
-        miss = compare(c, ranks, reference(c))
+        miss = compare(c, ranks, ref[i])
         if wrong[i] is not None:
             assert miss is not None and "diverges" in miss, f"{wrong[i]} went unseen: {miss}"
             continue
         if miss is not None:
             failures.append(f"{c.name}: {miss}")
-        elif world == 2 and c.precision == "fp32" and c.cp == "1":
+        elif _one_replica_control(c, wrong[i], world):
             # negative control: the reference without replica 1's micro-batches differs
-            assert compare(c, ranks, reference(c, replicas=1)) is not None, c.name
+            assert compare(c, ranks, one_replica[i]) is not None, c.name
     assert not failures, (
         f"{len(failures)} of {len(combos)} configurations on {world} ranks failed:\n"
         + "\n".join(failures)

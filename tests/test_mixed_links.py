@@ -174,9 +174,14 @@ def test_traffic_per_link_by_hand() -> None:
     assert got["tp"] == (pytest.approx(24 * m * 4 * act / 2 * 2 * 1), "fast")
     assert got["pp"] == (pytest.approx(2 * m * act / 2), "slow")
     psi = (24 * (12 * h * h + 13 * h) + v * h) / 2 + s * h
-    assert got["dp"] == (pytest.approx(2 * psi / 4), "slow")  # 2 nodes, 4 dp ranks each
+    # ZeRO-1: fp32 gradients reduce-scattered, 16-bit parameters gathered, across 2 nodes of 4
+    # dp ranks: (2-1)/2 of each buffer, 1/4 of it leaving a node
+    assert got["dp"] == (pytest.approx((4 + 2) * psi / 2 / 4), "slow")
     flat = traffic(GPT_10B, 256, replace(cand, dp=2, tp=8, pp=2), ETH)["dp"]  # 1 rank a node
-    assert flat[0] == pytest.approx(2 * (24 * (12 * h * h + 13 * h) + v * h) / 8 + 2 * s * h)
+    psi8 = (24 * (12 * h * h + 13 * h) + v * h) / 8 + s * h
+    assert flat[0] == pytest.approx((4 + 2) * psi8 / 2)
+    ddp = traffic(GPT_10B, 256, replace(cand, dp=2, tp=8, pp=2, zero=0), ETH)["dp"]
+    assert ddp[0] == pytest.approx(2 * (2 - 1) / 2 * 4 * psi8)  # an fp32 all-reduce, not 16-bit
     assert got["tp"][0] > 20 * (got["dp"][0] + got["pp"][0])
 
 

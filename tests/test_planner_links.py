@@ -4,6 +4,7 @@ power-of-two or alignment assumption): groups that straddle nodes ride the slow 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -116,3 +117,39 @@ def test_link_class_equals_what_the_rank_grid_says() -> None:
                 assert link.nodes == max(spans)
                 checked += 1
     assert checked > 1000
+
+
+def test_the_ends_and_the_tied_embedding_are_priced_on_their_links() -> None:
+    # the counted miniature's unpriced terms (tests/test_wire_count.py), by hand: the tp
+    # all-reduces at the embedding and into the head (2bsh, one each per micro-batch on an
+    # end stage) and the tied V/t x h gradient over the pipeline's ends, once a step
+    cfg = GPTConfig(vocab_size=1200, block_size=64, n_layer=8, n_head=12, n_embd=96)
+    two = _cluster(2, 8)
+    act, m = 2 * 64 * 96, 4
+    cand = Candidate(dp=1, tp=4, pp=4, micro_batch=1, recompute="none")
+    pred = predict(cfg, two, m, cand)
+    tp_ring = ring_all_reduce_time(act, 4, two.intra_latency, 1 / two.intra_bandwidth)
+    assert pred.time["tp_ends_comm"] == pytest.approx(m * 1 * tp_ring)  # an end stage: 1
+    # stages 0 and 3 sit on nodes 0 and 1 (tp 4 x pp 4 on 2 nodes of 8): the slow link, at
+    # MEGATRON_MIXED's fp32 wire (V/t = 300 rows of h = 96)
+    wire = 300 * 96 * 4
+    tied = ring_all_reduce_time(wire, 2, two.inter_latency, 1 / two.inter_bandwidth)
+    assert pred.time["tied_comm"] == pytest.approx(tied)
+    # one stage holds both ends: 2 all-reduces a micro-batch, no tied gradient to sum
+    one = predict(cfg, _cluster(1, 4), m, Candidate(dp=1, tp=4, pp=1, micro_batch=1,
+                                                     recompute="none"))  # fmt: skip
+    assert one.time["tp_ends_comm"] == pytest.approx(2 * m * tp_ring)
+    assert "tied_comm" not in one.time
+    # a middle stage with more blocks paces tp: the lighter ends charge no extra all-reduce
+    light = replace(cand, stage_layers=(1, 3, 3, 1))
+    assert predict(cfg, two, m, light).time["tp_ends_comm"] == 0
+    # an untied model (its own head) sums no tied gradient; pipeline ends inside one node:
+    # NVLink (dp 2 x pp 2 on a node of 4: groups [0, 2], [1, 3])
+    untied = predict(replace(cfg, tie_weights=False), two, m, cand)
+    assert "tied_comm" not in untied.time and untied.step_seconds < pred.step_seconds
+    inside = predict(cfg, _cluster(1, 4), 2 * m, Candidate(dp=2, tp=1, pp=2, micro_batch=1,
+                                                            recompute="none"))  # fmt: skip
+    wire = 1200 * 96 * 4
+    assert inside.time["tied_comm"] == pytest.approx(
+        ring_all_reduce_time(wire, 2, 5e-6, 1 / 3e11))
+    assert "tp_ends_comm" not in inside.time  # tp = 1: nothing to reduce

@@ -15,7 +15,12 @@ from labkit.models import GPTConfig, preset
 from labkit.planner import CLUSTERS, Candidate, Cluster
 from labkit.planner.gpu_checks import h200_rows
 from labkit.planner.memory import MEGATRON_MIXED
-from labkit.planner.published import korthikanti_rows, published_rows
+from labkit.planner.published import (
+    KORTHIKANTI_TABLE5,
+    korthikanti_readme_check,
+    korthikanti_rows,
+    published_rows,
+)
 from labkit.planner.roofline import CHIPS, Chip, chip_for, gemm_efficiency, gemm_time
 from labkit.planner.space import wire_bytes
 from labkit.planner.steptime import PCIE_BANDWIDTH, StepTime, step_time
@@ -167,7 +172,9 @@ def test_dp_time_charges_the_collectives_wire_bytes_counts_per_micro_batch() -> 
         return got.terms["dp_comm"]
 
     def counted(cand: Candidate, shard: int, micro: int = m) -> dict[str, float]:
-        wire = wire_bytes(cand, psi, MEGATRON_MIXED, shard, micro)
+        # tp = pp = 1 and a tied embedding: ZeRO-3 gathers the tied V x h once more a micro-batch
+        tied = cfg.vocab_size * cfg.n_embd
+        wire = wire_bytes(cand, psi, MEGATRON_MIXED, shard, micro, tied=tied)
         return {k: n * _ring_bytes(k, b, r) for k, (b, r, n) in wire.items()}
 
     for z in (0, 1, 2, 3):
@@ -292,3 +299,19 @@ def test_chip_for_a_cluster() -> None:
     assert isinstance(chip_for("DGX A100 80GB", 312e12, 2e12), Chip)
     h200 = CLUSTERS["dgx-h200"]
     assert isinstance(h200, Cluster) and h200.mem_bandwidth == 4.8e12
+
+
+def test_korthikanti_seconds_reproduce_the_megatron_readme_utilisation() -> None:
+    # Table 5's selective seconds, through the paper's formulas, give the MFU and HFU the
+    # Megatron-LM README publishes for the same models: a second source for the transcription.
+    for r in korthikanti_readme_check():
+        for k in ("MFU", "HFU"):
+            assert float(str(r[f"{k} from seconds"])) == pytest.approx(
+                float(str(r[f"README {k}"])), abs=0.002), r  # fmt: skip
+    # 530B's full-recompute seconds against the abstract: "29% faster" with SP + selective
+    row = next(r for r in KORTHIKANTI_TABLE5 if r.name == "530B")
+    assert row.full_s / row.selective_s == pytest.approx(1.29, abs=0.01)
+    # negative control: counting only the recomputed core's forward misses 22B's HFU by > 1 point
+    wrong = {r["model"]: r for r in korthikanti_readme_check(hfu="forward-only")}
+    miss = float(str(wrong["22B"]["README HFU"])) - float(str(wrong["22B"]["HFU from seconds"]))
+    assert miss > 0.01, wrong["22B"]

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from labkit.checks.stub_scan import STUB_PREFIX, find_stub
 from labkit.launch import RankFailedError, launch
 from labkit.reference import first_difference as compare  # the one first-difference report
 
@@ -37,7 +38,6 @@ __all__ = [
 ]
 
 _GREEN, _YELLOW, _RESET = "\033[32m", "\033[33m", "\033[0m"
-STUB_PREFIX = "exercise:"  # how every generated stub's NotImplementedError message starts
 _FRAME = re.compile(r'File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<name>\S+)')
 
 
@@ -117,8 +117,14 @@ def launch_check(
     """``launch`` for checks: a rank's ``NotImplementedError`` is re-raised as one, here.
 
     An exercise stub raises ``NotImplementedError``; the learner should see exactly that,
-    not a wall of launcher output. Any other rank failure propagates unchanged.
+    not a wall of launcher output. A stub that ``fn`` or an argument still holds (a function,
+    a class's methods: :func:`labkit.checks.stub_scan.find_stub`) is named before any process
+    starts (no launch to wait for); one the scan cannot see (in a global the learner's code
+    calls) is named from the rank's traceback. Any other rank failure propagates unchanged.
     """
+    stub = find_stub(fn, *args, *options.values())
+    if stub is not None:
+        raise exercise_not_done(_where(*stub))
     try:
         return launch(fn, *args, world_size=world_size, timeout=timeout, **options)
     except RankFailedError as exc:

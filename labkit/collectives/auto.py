@@ -29,6 +29,10 @@ Where the threshold comes from. :class:`AllReduceChoice` holds it, in bytes per 
   the whole vector (no pipelining, but one wait instead of two steps' worth), so it keeps
   winning far past the 1 MB of the old default. Rabenseifner's halving-doubling (``tree.py``)
   is, on 2 ranks, the ring without pieces: never the fastest here, so it is not chosen.
+  Cutting recursive doubling's swap into 1 MB pieces posted in one batch (each reduced while
+  the next is on the wire) was tried and measured slower on a quiet machine: torch time / its
+  time at 1, 4, 8, 16 MB, two A/B runs each, 0.79/0.65, 0.97/0.79, 0.91/0.67, 0.89/0.86 in
+  pieces against 1.50/0.38, 0.90/0.46, 0.94/0.89, 0.96/0.80 whole; so the swap stays whole.
   Every per-round ratio spread past 30% (the benchmark prints "noisy"); the choice rests on
   medians that agreed across the two runs. None of the three reached torch's time from 1 to
   16 MB on this loaded machine: the 4-16 MB target is still missed.

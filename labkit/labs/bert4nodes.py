@@ -79,6 +79,7 @@ class SentenceTask:
         return self.ids[index], self.labels[index], self.mask[index]
 
 
+@functools.lru_cache(maxsize=2)  # both splits scan the same text (0.4 s a scan)
 def _sentences(text: str, longest: int) -> list[str]:
     """Every sentence of 12 to ``longest`` characters of the speeches (speaker lines dropped),
     whitespace collapsed, ending in its mark."""
@@ -136,7 +137,8 @@ def train_baseline(
     lr: float = 3e-3,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """One process, AdamW, ``steps`` steps of ``batch`` passages: losses and accuracies."""
+    """One process, AdamW, ``steps`` steps of ``batch`` passages: the losses and the accuracy on
+    the held-out split (the training split, four times its rows, is not evaluated)."""
     cfg = cfg or bert_preset("lab")
     train, val = sentence_task("train", cfg.max_position), sentence_task("val", cfg.max_position)
     torch.manual_seed(seed)
@@ -153,7 +155,6 @@ def train_baseline(
         losses.append(loss.item())
     return {
         "losses": losses,
-        "train_accuracy": accuracy(model, train),
         "val_accuracy": accuracy(model, val),
         "chance": 1 / len(LABELS),
     }

@@ -34,7 +34,9 @@ from labkit.parallel.layout import MESH_DIMS, Layout, ParallelDegrees
 from labkit.parallel.threed import ThreeDConfig, build_threed, check_threed
 from labkit.planner.cluster import Cluster
 from labkit.planner.links import ORDERS, group_links
+from labkit.planner.memory import MEGATRON_MIXED
 from labkit.planner.plan import Candidate, Prediction, _stage_params, plan, predict
+from labkit.planner.space import wire_bytes
 
 __all__ = [
     "GPT_10B", "MINI_LAYOUTS", "MiniConfig", "MiniLayout", "comm_by_link", "ordered_layout",
@@ -75,22 +77,27 @@ def traffic(
 ) -> dict[str, tuple[float, str]]:
     """Bytes each GPU sends per step on each axis, and the link they ride (the planner's
     arithmetic, :mod:`labkit.planner.plan`): tp ``(l/p) m (4 | 6) 2(t-1)/t b s h x 2``; pp
-    ``2 m v b s h x 2 / t``; dp the 16-bit gradients of a stage, ``2(d-1)/d x 2 P_stage`` on
-    a flat ring, or, hierarchically across n nodes of k dp ranks, ``2(n-1)/n x 2 P_stage / k``
-    leaving the node (the in-node reduce-scatter and all-gather stay on the fast link)."""
+    ``2 m v b s h x 2 / t``; dp every collective ``space.wire_bytes`` lists for a stage under
+    Megatron's recipe (fp32 gradients, 16-bit parameters: the planner's own list), a ring's
+    share of each buffer (``2(n-1)/n`` of an all-reduce, ``(n-1)/n`` of a reduce-scatter or
+    gather) over the d dp ranks, or, hierarchically across n nodes of k dp ranks, over the n
+    nodes on ``1/k`` of the bytes: what leaves the node (the in-node steps stay on the fast
+    link). The embedding-ends and tied-gradient terms are left out here (small; the planner
+    prices them)."""
     s, h, layers = cfg.block_size, cfg.n_embd, cfg.n_layer
     t, p, d, b, v = cand.tp, cand.pp, cand.dp, cand.micro_batch, cand.virtual
     m = global_batch // (d * b)
     act = 2 * b * s * h
     ars = 4 + (2 if cand.recompute == "full" else 0)
     links = group_links(cluster, d, t, p, order)
-    grads = 2 * _stage_params(cfg, t, p)
     dpl = links["dp"]
-    if dpl.slow and dpl.ranks_per_node > 1 and dpl.balanced:  # as the planner's two levels
-        n = dpl.nodes
-        dp_bytes = 2 * (n - 1) / n * grads / dpl.ranks_per_node
-    else:
-        dp_bytes = 2 * (d - 1) / d * grads
+    two_level = dpl.slow and dpl.ranks_per_node > 1 and dpl.balanced  # the planner's two levels
+    n, k = (dpl.nodes, dpl.ranks_per_node) if two_level else (d, 1)
+    dp_bytes = 0.0
+    for name, (buf, _, times) in wire_bytes(cand, _stage_params(cfg, t, p), MEGATRON_MIXED,
+                                            d, m).items():  # fmt: skip
+        share = 2 * (n - 1) / n if "all_reduce" in name else (n - 1) / n
+        dp_bytes += share * buf / k * times
     sent = {
         "tp": layers / p * m * ars * 2 * (t - 1) / t * act,
         "pp": 2 * m * v * act / t if p > 1 else 0.0,

@@ -1,9 +1,8 @@
 """Measured on the emulated cluster: all-reduce busbw, DDP step time, strong scaling (S4, A4).
 
 Everything here runs inside ``labkit.launch(..., cluster=EmulatedCluster(...))`` ranks (the
-``*_worker`` functions) or launches them (:func:`measure_busbw`, :func:`measure_ddp`,
-:func:`measure_strong_scaling`). The node layout is passed explicitly (``ranks_per_node``):
-inside a rank nothing of the emulation is visible, the network is just slower between nodes.
+``*_worker`` functions) or launches them (``measure_*``; ``cluster_section.py`` runs notebook
+09's section 3 in one launch). The node layout is passed explicitly (``ranks_per_node``).
 
 * **busbw** (nccl-tests' definition, :func:`labkit.collectives.cost_model.busbw_factor`):
   labkit's flat all-reduce (``Comm(impl="ring")``), the hierarchical one
@@ -16,7 +15,10 @@ inside a rank nothing of the emulation is visible, the network is just slower be
   With ``profile=``, the same launch also profiles one variant's steps with
   :mod:`labkit.profiling.breakdown` (A1's per-rank view: data, forward, backward, exposed
   comm, optimizer).
-* **strong scaling**: the same global batch on 1, 2 and 4 nodes (one launch each).
+* **strong scaling**: the same global batch on 1, 2 and 4 nodes, in ONE launch on the largest
+  cluster: for each n the ranks of the first n nodes form a group and train while the others
+  wait; the n's are interleaved step by step (each launch of a fresh world costs seconds of
+  process start-up, more than the steps themselves).
 
 The communication side (:func:`make_comm`, busbw) is in ``cluster_comm.py``, re-exported here.
 """
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from labkit.ddp.compression import make_compression
 from labkit.labs.bert4nodes import sentence_task
 from labkit.measure.cluster_comm import COMMS, _launch, busbw_worker, make_comm, measure_busbw
+from labkit.measure.cluster_profile import _profiled_steps
 from labkit.measure.timing import interleaved_times
 from labkit.models.bert import Bert, BertConfig, bert_loss, bert_preset
 
@@ -91,7 +94,7 @@ DEFAULT_VARIANTS = (
 )
 
 
-def _wrap(net: torch.nn.Module, v: Variant, ranks_per_node: int) -> Any:
+def _wrap(net: torch.nn.Module, v: Variant, ranks_per_node: int, group: Any = None) -> Any:
     from labkit.ddp import BucketedDDP, OverlappedDDP
 
     if v.impl == "local":
@@ -99,37 +102,46 @@ def _wrap(net: torch.nn.Module, v: Variant, ranks_per_node: int) -> Any:
     # compressed gradients travel in their own 16-bit dtype (wire="input"): fewer bytes is
     # their whole point; labkit's default moves 16-bit partial sums as float32
     wire = "accum" if v.compression == "none" else "input"
-    kwargs: dict[str, Any] = {"comm": make_comm(v.impl, ranks_per_node, wire)}
+    kwargs: dict[str, Any] = {"comm": make_comm(v.impl, ranks_per_node, wire, group)}
     if v.compression != "none":
         kwargs["compression"] = make_compression(v.compression)
     cls = OverlappedDDP if v.wrapper == "overlapped" else BucketedDDP
     return cls(net, bucket_cap_mb=v.bucket_cap_mb, **kwargs)
 
 
-def _profiled_steps(
-    state: tuple[Any, Any], task: Any, per_rank: int, g: torch.Generator, steps: int
-) -> dict[str, Any]:
-    """``steps`` more steps under ``torch.profiler`` with labkit's regions: this rank's
-    :class:`labkit.profiling.breakdown.Breakdown` as a dict."""
-    from labkit.profiling.breakdown import breakdown_from_events, region, step_profiler
+def _stepper(
+    cfg: BertConfig, v: Variant, rpn: int, task: Any, per_rank: int, g: torch.Generator,
+    group: Any = None,
+) -> tuple[Any, tuple[Any, Any], list[float]]:
+    """One variant's own model, optimizer and wrapper over ``group``: ``(step, (model, opt),
+    exposed)``; each ``step()`` appends the seconds ``finish_gradient_sync()`` waited."""
+    torch.manual_seed(0)
+    net = Bert(cfg)
+    model, opt = _wrap(net, v, rpn, group), torch.optim.AdamW(net.parameters())
+    exposed: list[float] = []
 
-    model, opt = state
-    with step_profiler("cpu") as prof:
-        for _ in range(steps):
-            with region("step"):
-                with region("data"):
-                    batch = task.batch(torch.randint(0, len(task), (per_rank,), generator=g))
-                with region("forward"):
-                    loss = bert_loss(model, *batch)
-                with region("backward"):
-                    loss.backward()
-                with region("comm"):
-                    model.finish_gradient_sync()
-                with region("optimizer"):
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-    breakdown = breakdown_from_events(prof.events(), rank=dist.get_rank(), samples=per_rank)
-    return breakdown.as_dict()
+    def step() -> None:
+        idx = torch.randint(0, len(task), (per_rank,), generator=g)
+        bert_loss(model, *task.batch(idx)).backward()
+        t0 = time.perf_counter()
+        if hasattr(model, "finish_gradient_sync"):
+            model.finish_gradient_sync()  # waits for what backward did not hide
+        exposed.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, (model, opt), exposed
+
+
+def _row(stepper: Any, times: list[float], warmup: int, steps: int) -> dict[str, float]:
+    """Median step and exposed seconds, and the bytes this rank's ``Comm`` counted per step."""
+    _, (model, _), exposed = stepper
+    sent = model.comm.total_sent / (warmup + steps) if hasattr(model, "comm") else 0.0
+    return {
+        "step": statistics.median(times),
+        "exposed_comm": statistics.median(exposed[warmup:]),
+        "sent": sent,
+    }
 
 
 def ddp_worker(
@@ -149,37 +161,12 @@ def ddp_worker(
     task = sentence_task("train", cfg.max_position)
     per_rank = global_batch // world
     g = torch.Generator().manual_seed(rank)
-    states: dict[str, Any] = {}
-    exposed: dict[str, list[float]] = {v.name: [] for v in variants}
-    for v in variants:
-        torch.manual_seed(0)
-        net = Bert(cfg)
-        states[v.name] = (_wrap(net, v, ranks_per_node), torch.optim.AdamW(net.parameters()))
-
-    def step(name: str) -> None:
-        model, opt = states[name]
-        idx = torch.randint(0, len(task), (per_rank,), generator=g)
-        bert_loss(model, *task.batch(idx)).backward()
-        t0 = time.perf_counter()
-        if hasattr(model, "finish_gradient_sync"):
-            model.finish_gradient_sync()  # waits for what backward did not hide
-        exposed[name].append(time.perf_counter() - t0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    fns = {name: (lambda n=name: step(n)) for name in states}
-    times = interleaved_times(fns, steps, warmup, sync=dist.barrier)
-    out: dict[str, Any] = {}
-    for name, t in times.items():
-        model = states[name][0]
-        sent = model.comm.total_sent / (warmup + steps) if hasattr(model, "comm") else 0.0
-        out[name] = {
-            "step": statistics.median(t),
-            "exposed_comm": statistics.median(exposed[name][warmup:]),
-            "sent": sent,
-        }
+    steppers = {v.name: _stepper(cfg, v, ranks_per_node, task, per_rank, g) for v in variants}
+    times = interleaved_times({n: s[0] for n, s in steppers.items()}, steps, warmup,
+                              sync=dist.barrier)  # fmt: skip
+    out: dict[str, Any] = {n: _row(steppers[n], t, warmup, steps) for n, t in times.items()}
     if profile is not None:  # A1: the per-rank breakdown of one variant, after the timing
-        out["profile"] = _profiled_steps(states[profile.name], task, per_rank, g, steps)
+        out["profile"] = _profiled_steps(steppers[profile.name][1], task, per_rank, g, steps)
     return out
 
 
@@ -198,20 +185,30 @@ def measure_ddp(
     """DDP step time of the tiny BERT per variant (rank 0's medians) and the comm share;
     with ``profile``, ``"profile"`` is every rank's breakdown of that variant."""
     cfg = cfg or bert_preset("lab")
-    if global_batch % world_size:
-        raise ValueError(f"global_batch={global_batch} is not divisible by world_size={world_size}")
-    if profile is not None and (profile not in variants or profile.impl == "local"):
-        raise ValueError(f"profile={profile} must be one of the variants, and a DDP one")
-    rpn = cluster.topology(world_size).ranks_per_node
+    rpn = _check_ddp(cluster, world_size, variants, global_batch, profile)
     ranks = _launch(
         ddp_worker, cfg, list(variants), global_batch, rpn, steps, warmup, profile,
         world_size=world_size, cluster=cluster, timeout=timeout,
     )  # fmt: skip
+    return _ddp_result(ranks, cluster.resolved_mode(), rpn, profile is not None)
+
+
+def _check_ddp(cluster: Any, world: int, variants: Any, batch: int, profile: Any) -> int:
+    """ValueError for what :func:`measure_ddp` cannot run, before any process; the rpn."""
+    if batch % world:
+        raise ValueError(f"global_batch={batch} is not divisible by world_size={world}")
+    if profile is not None and (profile not in variants or profile.impl == "local"):
+        raise ValueError(f"profile={profile} must be one of the variants, and a DDP one")
+    return int(cluster.topology(world).ranks_per_node)
+
+
+def _ddp_result(ranks: list[Any], mode: str, rpn: int, profiled: bool) -> dict[str, Any]:
+    """:func:`measure_ddp`'s answer from every rank's :func:`ddp_worker` result."""
     res = {k: v for k, v in ranks[0].items() if k != "profile"}
     for row in res.values():
         row["comm_share"] = row["exposed_comm"] / row["step"]
-    out = {"steps": res, "mode": cluster.resolved_mode(), "rpn": rpn}
-    if profile is not None:
+    out = {"steps": res, "mode": mode, "rpn": rpn}
+    if profiled:
         from labkit.profiling.breakdown import Breakdown
 
         out["profile"] = [Breakdown.from_dict(r["profile"]) for r in ranks]
@@ -219,12 +216,36 @@ def measure_ddp(
 
 
 # ------------------------------------------------------------------------------ scaling
+def scaling_worker(
+    cfg: BertConfig, nodes: Sequence[int], global_batch: int, ranks_per_node: int, impl: str,
+    steps: int, warmup: int,
+) -> dict[int, dict[str, float]]:
+    """On every rank of the largest cluster: for each ``n`` in ``nodes``, the ranks of the
+    first ``n`` nodes form a group and step the tiny BERT on ``global_batch`` split over them
+    (``"torch"`` DDP on one rank, ``impl`` otherwise); the others skip that turn. The ``n``'s
+    are interleaved step by step, every turn opened and closed by a barrier of the whole job.
+    Returns ``{n: {"step", "exposed_comm", "sent"}}`` for this rank's groups (rank 0: all)."""
+    rank = dist.get_rank()
+    task = sentence_task("train", cfg.max_position)
+    g = torch.Generator().manual_seed(rank)
+    steppers = {}
+    for n in nodes:
+        world = n * ranks_per_node
+        group = dist.new_group(list(range(world)))  # every rank takes part in every new_group
+        if rank < world:
+            v = Variant("torch" if world == 1 else impl, bucket_cap_mb=1.0)
+            steppers[n] = _stepper(cfg, v, ranks_per_node, task, global_batch // world, g, group)
+    fns = {str(n): steppers[n][0] if n in steppers else (lambda: None) for n in nodes}
+    times = interleaved_times(fns, steps, warmup, sync=dist.barrier)
+    return {n: _row(s, times[str(n)], warmup, steps) for n, s in steppers.items()}
+
+
 def measure_strong_scaling(
     make_cluster: Any,
     nodes: Sequence[int] = (1, 2, 4),
     *,
     ranks_per_node: int = 1,
-    impl: str = "hierarchical",
+    impl: str = "ring",
     cfg: BertConfig | None = None,
     global_batch: int = 32,
     steps: int = 4,
@@ -233,7 +254,9 @@ def measure_strong_scaling(
 ) -> dict[int, dict[str, float]]:
     """``{N: {"step", "exposed_comm", "speedup", "efficiency"}}`` at a fixed global batch.
 
-    ``make_cluster(n)`` builds the n-node cluster (``None`` for a plain launch at n = 1).
+    One launch (:func:`scaling_worker`) on ``make_cluster(max(nodes))`` (``None``: a plain
+    launch). ``impl``: ``"torch"`` or ``"ring"``; ``"hierarchical"`` spans the whole world, but
+    with one rank per node it is its phase 2 alone, labkit's all-reduce: it runs as "ring".
     """
     cfg = cfg or bert_preset("lab")
     bad = [n for n in nodes if global_batch % (n * ranks_per_node)]
@@ -242,15 +265,18 @@ def measure_strong_scaling(
             f"need 1 in nodes and global_batch={global_batch} divisible by every world size; "
             f"nodes={tuple(nodes)}, ranks_per_node={ranks_per_node}"
         )
-    out: dict[int, dict[str, float]] = {}
-    for n in nodes:
-        world = n * ranks_per_node
-        v = Variant("torch" if world == 1 else impl, bucket_cap_mb=1.0)
-        res = _launch(
-            ddp_worker, cfg, [v], global_batch, ranks_per_node, steps, warmup,
-            world_size=world, cluster=make_cluster(n), timeout=timeout,
-        )[0]  # fmt: skip
-        out[n] = dict(res[v.name])
+    if impl not in COMMS or (impl == "hierarchical" and ranks_per_node > 1):
+        raise ValueError(
+            f"impl={impl!r} with ranks_per_node={ranks_per_node}: expected 'torch' or 'ring' "
+            f"('hierarchical' only with one rank per node, where it is 'ring')"
+        )
+    top = max(nodes)
+    res = _launch(
+        scaling_worker, cfg, sorted(set(nodes)), global_batch, ranks_per_node,
+        "ring" if impl == "hierarchical" else impl, steps, warmup,
+        world_size=top * ranks_per_node, cluster=make_cluster(top), timeout=timeout,
+    )[0]  # fmt: skip
+    out = {n: dict(res[n]) for n in sorted(res)}
     for n, row in out.items():
         row["speedup"] = out[1]["step"] / row["step"]
         row["efficiency"] = row["speedup"] / n

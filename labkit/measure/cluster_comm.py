@@ -28,11 +28,14 @@ __all__ = ["COMMS", "busbw_worker", "make_comm", "measure_busbw"]
 COMMS = ("torch", "ring", "hierarchical")
 
 
-def make_comm(impl: str, ranks_per_node: int, wire: str = "accum") -> Comm:
-    """``Comm`` over WORLD: PyTorch's, labkit's flat ring, or the two-level all-reduce."""
+def make_comm(impl: str, ranks_per_node: int, wire: str = "accum", group: Any = None) -> Comm:
+    """``Comm`` over ``group`` (None: WORLD): PyTorch's, labkit's flat ring, or the two-level
+    all-reduce (WORLD only: its node groups cover the whole job)."""
     if impl == "hierarchical":
+        if group is not None:
+            raise ValueError("impl='hierarchical' runs over the whole world, not a subgroup")
         return Comm(None, impl="hierarchical", nodes=node_groups(ranks_per_node), wire=wire)
-    return Comm(None, impl=impl, wire=wire)
+    return Comm(group, impl=impl, wire=wire)
 
 
 def _launch(fn: Any, *args: Any, world_size: int, cluster: Any, timeout: float) -> list[Any]:
@@ -77,6 +80,11 @@ def measure_busbw(
         busbw_worker, list(sizes), rpn, steps, warmup,
         world_size=world_size, cluster=cluster, timeout=timeout,
     )[0]  # fmt: skip
+    return _busbw_result(res, world_size, cluster.resolved_mode(), rpn)
+
+
+def _busbw_result(res: Any, world_size: int, mode: str, rpn: int) -> dict[str, Any]:
+    """:func:`measure_busbw`'s answer from rank 0's :func:`busbw_worker` seconds."""
     factor = busbw_factor("all_reduce", world_size)
     busbw = {impl: {s: s * factor / t for s, t in row.items()} for impl, row in res.items()}
-    return {"seconds": res, "busbw": busbw, "mode": cluster.resolved_mode(), "rpn": rpn}
+    return {"seconds": res, "busbw": busbw, "mode": mode, "rpn": rpn}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -170,12 +171,7 @@ def run_bench(
     times each algorithm alone ("tuned ring", "readable ring", "recursive doubling",
     "halving-doubling", "naive"); a sequence of those names times only them.
     """
-    bad = [op for op in ops if op not in OPS]
-    if bad or not sizes or repeats < 1 or warmup < 0:
-        raise ValueError(
-            f"ops must be among {OPS} (got {list(ops)}), sizes non-empty, "
-            f"repeats >= 1 (got {repeats}), warmup >= 0 (got {warmup})"
-        )
+    check_bench(ops, sizes, repeats, warmup)
     from labkit.launch import launch
 
     per_rank = launch(
@@ -191,6 +187,22 @@ def run_bench(
         quiet=True,
         backend="gloo",
     )
+    return bench_records(per_rank, repeats, world_size)
+
+
+def check_bench(ops: Sequence[str], sizes: Sequence[int], repeats: int, warmup: int) -> None:
+    """ValueError for what :func:`run_bench` cannot run, before any process starts."""
+    bad = [op for op in ops if op not in OPS]
+    if bad or not sizes or repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"ops must be among {OPS} (got {list(ops)}), sizes non-empty, "
+            f"repeats >= 1 (got {repeats}), warmup >= 0 (got {warmup})"
+        )
+
+
+def bench_records(per_rank: list[Any], repeats: int, world_size: int) -> list[BenchRecord]:
+    """The records of :func:`run_bench` from every rank's ``_rank_bench`` times: per round
+    the slowest rank, then the spread over rounds."""
     records = []
     for key in per_rank[0]:
         op, impl, nbytes = key.split("|")

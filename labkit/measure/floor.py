@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from labkit.collectives.common import post
 from labkit.measure.bench_cells import ratio_and_spread
+from labkit.measure.collectives import OPS, BenchRecord, _rank_bench, bench_records, check_bench
 
-__all__ = ["Floor", "floor_from_times", "rank_floor", "small_message_floor"]
+__all__ = ["Floor", "bench_and_floor", "floor_from_times", "rank_floor", "small_message_floor"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +94,36 @@ def floor_from_times(per_rank: list[tuple[list[float], list[float]]]) -> Floor:
     native = [max(r[1][i] for r in per_rank) for i in range(len(per_rank[0][1]))]
     ratio, spread = ratio_and_spread(swap, native)
     return Floor(statistics.median(swap), statistics.median(native), ratio, spread, len(swap))
+
+
+def _bench_then_floor(args: tuple[Any, ...], repeats: int, warmup: int) -> tuple[Any, Any]:
+    """On each of the 2 ranks: the benchmark's round times, then the floor's."""
+    return _rank_bench(*args), rank_floor(repeats, warmup)
+
+
+def bench_and_floor(
+    sizes: Sequence[int],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    algorithms: bool | Sequence[str] = False,
+    floor_repeats: int = 41,
+    floor_warmup: int = 5,
+    timeout: float = 600.0,
+) -> tuple[list[BenchRecord], Floor]:
+    """:func:`labkit.measure.collectives.run_bench` on 2 ranks (all ops, float32), then the
+    floor, in ONE launch: a fresh 2-rank launch costs seconds of start-up, more than the floor."""
+    check_bench(OPS, sizes, repeats, warmup)
+    if floor_repeats < 1 or floor_warmup < 0:
+        raise ValueError(f"need floor_repeats >= 1 and floor_warmup >= 0, got {floor_repeats}, "
+                         f"{floor_warmup}")  # fmt: skip
+    from labkit.launch import launch
+
+    args = (list(OPS), list(sizes), repeats, warmup, torch.float32, algorithms)
+    per_rank = launch(
+        _bench_then_floor, args, floor_repeats, floor_warmup, world_size=2, timeout=timeout,
+        quiet=True, backend="gloo",
+    )  # fmt: skip
+    return bench_records([r[0] for r in per_rank], repeats, 2), floor_from_times(
+        [r[1] for r in per_rank]
+    )

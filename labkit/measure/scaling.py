@@ -152,8 +152,10 @@ def load_runs(path: str | Path) -> list[ScalingRun]:
     return [ScalingRun(**d) for d in json.loads(Path(path).read_text())]
 
 
-def _timed_ddp_steps(cfg: Any, per_rank_batch: int, steps: int, warmup: int) -> float:
-    """On each rank: median seconds per DDP step of a labkit GPT (torch DDP)."""
+def _timed_ddp_steps(
+    cfg: Any, per_rank_batch: int, steps: int, warmup: int, group: Any = None
+) -> float:
+    """On each rank of ``group``: median seconds per DDP step of a labkit GPT (torch DDP)."""
     import statistics
 
     import torch
@@ -163,21 +165,38 @@ def _timed_ddp_steps(cfg: Any, per_rank_batch: int, steps: int, warmup: int) -> 
     from labkit.models import GPT, gpt_loss
 
     torch.manual_seed(0)
-    model = DDP(GPT(cfg))
+    model = DDP(GPT(cfg), process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randint(0, cfg.vocab_size, (per_rank_batch, cfg.block_size), generator=g)
     times = []
     for i in range(warmup + steps):
-        dist.barrier()
+        dist.barrier(group=group)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         gpt_loss(model, x, torch.roll(x, -1, 1)).backward()
         opt.step()
-        dist.barrier()
+        dist.barrier(group=group)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _scaling_ranks(
+    cfg: Any, per_rank: dict[int, int], steps: int, warmup: int
+) -> dict[int, float]:
+    """On every rank of the largest world: for each rank count ``n``, ranks ``0 .. n-1`` form
+    a group and time their DDP steps while the others wait at a barrier of the whole job;
+    ``{n: this rank's median}`` for the groups it is in."""
+    import torch.distributed as dist
+
+    out = {}
+    for n, batch in per_rank.items():
+        group = dist.new_group(list(range(n)))  # every rank takes part in creating it
+        if dist.get_rank() < n:
+            out[n] = _timed_ddp_steps(cfg, batch, steps, warmup, group)
+        dist.barrier()
+    return out
 
 
 def measure_scaling(
@@ -190,7 +209,9 @@ def measure_scaling(
     warmup: int = 1,
     timeout: float = 120,
 ) -> list[ScalingRun]:
-    """Measure DDP steps of ``GPT(cfg)`` at each rank count (one launch each, gloo).
+    """Measure DDP steps of ``GPT(cfg)`` at each rank count, in one launch of ``max(ranks)``
+    gloo ranks (a fresh world per count would cost seconds of start-up each); a count's time
+    is the slowest of its ranks' medians.
 
     ``batch``: per-rank batch for weak scaling, global batch for strong (must divide).
     """
@@ -198,26 +219,20 @@ def measure_scaling(
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    bad = [n for n in ranks if mode == "strong" and batch % n]
+    bad = [n for n in ranks if n < 1 or (mode == "strong" and batch % n)]
     if bad:
-        raise ValueError(f"strong scaling: global batch {batch} is not divisible by ranks {bad}")
-    runs = []
-    for n in ranks:
-        per_rank = batch // n if mode == "strong" else batch
-        # one thread per rank: N ranks on N cores compare fairly with 1 rank on 1 core
-        # one thread per rank: N ranks on N cores compare fairly with 1 rank on 1 core (and
-        # OpenMP's spinning threads do not fight over cores the other ranks use)
-        t = launch(
-            _timed_ddp_steps,
-            cfg,
-            per_rank,
-            steps,
-            warmup,
-            world_size=n,
-            backend="gloo",
-            timeout=timeout,
-            quiet=True,
-            threads_per_rank=1,
+        raise ValueError(
+            f"ranks {bad}: every rank count must be >= 1 (and divide the global batch {batch} "
+            f"in strong scaling)"
         )
-        runs.append(ScalingRun(n, max(t), per_rank * n, mode, "measured"))
-    return runs
+    per_rank = {n: batch // n if mode == "strong" else batch for n in ranks}
+    # one thread per rank: N ranks on N cores compare fairly with 1 rank on 1 core (and
+    # OpenMP's spinning threads do not fight over cores the other ranks use)
+    res = launch(
+        _scaling_ranks, cfg, per_rank, steps, warmup, world_size=max(ranks), backend="gloo",
+        timeout=timeout, quiet=True, threads_per_rank=1,
+    )  # fmt: skip
+    return [
+        ScalingRun(n, max(r[n] for r in res if n in r), b * n, mode, "measured")
+        for n, b in per_rank.items()
+    ]

@@ -21,6 +21,10 @@ the same point of every layer), so the worst group paces the step:
   on 3 nodes of 6 GPUs, dp groups like ``[0, 4, 8]`` with 2 ranks on node 0 and 1 on node 1)
   is priced as a flat ring on the slow link.
 
+The embedding group (Megatron's: the first and last rank of each pipeline group, which sum
+the tied embedding's gradient) is :func:`embedding_link`: two ranks, on two nodes exactly
+when the pipeline group's ends sit on different nodes.
+
 The other order, ``"dp-tp-pp"``, puts dp innermost and is the *wrong* placement the
 mixed-interconnect scenario measures: tp all-reduces then cross the slow link.
 
@@ -35,7 +39,7 @@ from functools import lru_cache
 from labkit.parallel.layout import ParallelDegrees, rank_grid
 from labkit.planner.cluster import Cluster
 
-__all__ = ["ORDERS", "GroupLink", "group_links", "placement"]
+__all__ = ["ORDERS", "GroupLink", "embedding_link", "group_links", "placement"]
 
 ORDERS = ("tp-dp-pp", "dp-tp-pp")  # innermost axis first
 
@@ -123,3 +127,28 @@ def group_links(
         alpha, bw = slow if crosses else fast
         out[axis] = GroupLink(alpha, bw, crosses, per_node, nodes, balanced)
     return out
+
+
+def embedding_link(
+    cluster: Cluster, dp: int, tp: int, pp: int, order: str = "tp-dp-pp", cp: int = 1,
+) -> GroupLink:  # fmt: skip
+    """The link of Megatron's embedding groups: ``(first, last)`` rank of every pipeline group
+    of the rank grid (its stages in pipeline order), where the tied embedding's gradient is
+    all-reduced once a step. Slow when some group's two ranks sit on different nodes. Every
+    such pair all-reduces at once and every GPU of the first and last stage is in one, so a
+    crossing pair gets the uplink's per-GPU share (``ranks_per_node`` 1). ``pp = 1``: one
+    rank holds both ends; the returned link is never used."""
+    if order not in ORDERS:
+        raise ValueError(f"rank order {order!r} is not one of {ORDERS}")
+    if pp == 1:
+        return GroupLink(cluster.intra_latency, cluster.intra_bandwidth, False, 1, 1)
+    if _ends_cross(cluster.gpus_per_node, dp, tp, pp, order, cp):
+        return GroupLink(cluster.inter_latency, cluster.inter_bandwidth, True, 1, 2)
+    return GroupLink(cluster.intra_latency, cluster.intra_bandwidth, False, 2, 1)
+
+
+@lru_cache(maxsize=4096)
+def _ends_cross(gpus_per_node: int, dp: int, tp: int, pp: int, order: str, cp: int) -> bool:
+    """Whether some pipeline group's first and last rank sit on different nodes."""
+    groups = rank_grid(ParallelDegrees(dp=dp, tp=tp, pp=pp, cp=cp), order)["pp"]
+    return any(g[0] // gpus_per_node != g[-1] // gpus_per_node for g in groups)

@@ -17,13 +17,14 @@ time (one iteration)
     the card's roofline (``steptime.py`` on ``timing.py`` and ``roofline.py``; every constant's
     source in ``docs/planner.md``): compute (m = B / (dp b) micro-batches through the slowest
     pipeline rank: GEMMs by shape, attention by kernel, memory-bound elementwise traffic,
-    recompute per policy, the head on the last rank), bubble ((p-1)/v slots, or "simulated":
-    the schedule replayed), tp comm (exposed unless ``tp_overlap``), pp comm (on the critical
-    path), dp comm (every collective ``space.wire_bytes`` lists, per micro-batch or per step,
-    gradients at ``precision.wire_bytes``; exposed, or behind backward up to the last bucket
-    with ``dp_overlap``), optimizer (and offload's PCIe traffic). ``efficiency=`` instead runs
-    the old single constant (``single_constant.py``: every FLOP at that fraction of peak,
-    16-bit dp traffic), kept as the negative control.
+    recompute per policy, the head on the last rank), bubble ((p-1)/v slots, or "simulated": the
+    schedule replayed), tp comm (exposed unless ``tp_overlap``), the vocab-parallel ends' tp
+    all-reduces, pp comm (on the critical path), a tied embedding's gradient all-reduce over the
+    pipeline's ends (``cfg.tie_weights``), dp comm (every collective ``space.wire_bytes`` lists,
+    per micro-batch or per step, gradients at ``precision.wire_bytes``; exposed, or behind
+    backward up to the last bucket with ``dp_overlap``), optimizer (and offload's PCIe traffic).
+    ``efficiency=`` instead runs the old single constant (``single_constant.py``: every FLOP at
+    that fraction of peak, 16-bit dp traffic), kept as the negative control.
 Each group's link class follows from the rank order (``links.py``).
 Context and expert parallelism (``cp``, ``ep``; a MoE model as ``moe=``, a
 :class:`~labkit.memory.moe_cp.MoESpec`): memory divides activations by cp and the experts by
@@ -161,7 +162,9 @@ def predict(
 
 
 def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) -> list[Prediction]:
-    """Predictions for every candidate, those that fit first, fastest first."""
+    """Predictions for every candidate in the planner's order of choice: fits with at least 5%
+    of the card free first, then risky fits, then the rest; fastest first in each (ties: the
+    smaller t x p). Its first element is "the planner's choice" wherever one is named."""
     if global_batch < 1:
         raise ValueError(f"global batch must be >= 1, got {global_batch}")
     efficiency = kwargs.pop("efficiency", None)  # None: the roofline (steptime.py)
@@ -193,5 +196,6 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
         for c in cands
     ]
     return sorted(
-        preds, key=lambda r: (not r.fits, r.step_seconds, r.candidate.tp * r.candidate.pp)
+        preds,
+        key=lambda r: (not r.fits, r.risky, r.step_seconds, r.candidate.tp * r.candidate.pp),
     )

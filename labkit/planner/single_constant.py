@@ -2,7 +2,9 @@
 
 Compute is Megatron's FLOPs (``flops.py``) of the slowest rank over ``t x peak x efficiency``;
 tp, pp and dp communication as in :mod:`steptime`, except that the gradients travel in 16 bits
-whatever the recipe keeps them in and nothing overlaps. ``predict(..., efficiency=0.5)`` runs
+whatever the recipe keeps them in, nothing overlaps, and neither the vocab-parallel ends' tp
+all-reduces, the tied embedding's gradient all-reduce nor ZeRO-3's extra gather of a tied unit
+is charged (the old model's omissions, kept). ``predict(..., efficiency=0.5)`` runs
 it. Against Megatron's Table 1 its TFLOP/s falls from the smallest model to the largest where
 the paper's rises (``tests/test_planner_timing.py`` shows it), because one constant cannot see
 that small shards and memory-bound work weigh less as h grows.

@@ -151,7 +151,8 @@ def hardware_flops(cfg: GPTConfig, global_batch: int, recompute: str) -> float:
 
 
 def wire_bytes(
-    cand: Candidate, psi: float, precision: Precision, shard: int, micro_batches: int = 1
+    cand: Candidate, psi: float, precision: Precision, shard: int, micro_batches: int = 1,
+    tied: float = 0.0,
 ) -> dict[str, tuple[float, int, int]]:
     """``{collective: (bytes of its buffer, ranks, times per step)}`` the data-parallel side
     runs for a stage of ``psi`` parameters (per tp rank); ``shard``: the ranks ZeRO shards
@@ -166,6 +167,11 @@ def wire_bytes(
       runs every micro-batch (DeepSpeed's stage 2), the gather once a step;
     * ZeRO-3 (FSDP): the parameters are gathered for every micro-batch's forward and again
       for its backward (``2 m`` gathers), the gradients reduce-scattered every micro-batch;
+    * ZeRO-3 with ``tied`` > 0 parameters of a tied embedding and head on this rank (one
+      pipeline rank holds both ends): ``tied_param_all_gather``, the tied unit gathered once
+      more every micro-batch (counted: labkit's ZeRO-3 gathers a unit for each module that
+      uses it, so the shared weight goes out for the embedding and again for the head: 3
+      gathers a micro-batch, not 2; ``tests/test_wire_count.py``);
     * HSDP (``shard < dp``): additionally ``grad_all_reduce_replicas``, an all-reduce of the
       ``psi / shard`` gradient shard over the ``dp / shard`` replicas, as often as the
       reduce-scatter: the only dp traffic that crosses nodes.
@@ -184,6 +190,8 @@ def wire_bytes(
         "grad_reduce_scatter": (g, shard, reduces),
         "param_all_gather": (p, shard, 2 * m if cand.zero == 3 else 1),
     }
+    if cand.zero == 3 and tied > 0:
+        out["tied_param_all_gather"] = (tied * precision.param_bytes, shard, m)
     if shard < d:
         out["grad_all_reduce_replicas"] = (g / shard, d // shard, reduces)
     return out

@@ -12,6 +12,16 @@ Built on :mod:`timing` (one layer, the head, the optimizer, by the card's roofli
                ``GroupLink.ring_bandwidth`` (the uplink shared only by the rings crossing it,
                like dp's). Exposed, as Megatron 2021 ran it; ``tp_overlap`` hides it behind the
                GEMMs it feeds, up to their time.
+``tp_ends_comm`` the vocab-parallel ends' tp all-reduces: one after the embedding (forward)
+               and one into the head (its input gradient, backward), ``2 b s h`` each per
+               micro-batch on the tp link (under SP a reduce-scatter and an all-gather, the
+               same bytes); not recomputed (full recompute reruns the blocks only). Charged
+               on the rank with the most tp traffic (blocks x layer's + ends): 2 at p = 1,
+               1 on an even pipeline, 0 when a middle rank holds more blocks. Exposed.
+``tied_comm``  a tied embedding (``cfg.tie_weights``, Megatron's GPT's default) at p > 1: the
+               first and last stage sum its gradient once a step, an all-reduce of the
+               ``V/t x h`` shard (the vocabulary padded to t) at ``precision.wire_bytes``
+               over the two ranks, on :func:`links.embedding_link`. Exposed (after backward).
 ``cp_comm``    context parallelism (``cp > 1``): ring attention's K/V traffic beyond what each
                block's attention hides (:mod:`cp_ep`, which states the overlap assumption);
                every activation, GEMM and the head cover ``s / cp`` positions, attention
@@ -32,8 +42,10 @@ Built on :mod:`timing` (one layer, the head, the optimizer, by the card's roofli
                same unless it keeps a full buffer, which would give back ZeRO-2's memory);
                ZeRO-3 (FSDP with resharding after forward) gathers the parameters before each
                micro-batch's forward and again before its backward (``2 m``) and
-               reduce-scatters every micro-batch; ZeRO-1/2 gather the updated 16-bit parameters
-               once. HSDP: the reduce-scatter and gathers inside the node (NVLink) and an
+               reduce-scatters every micro-batch, and with a tied embedding and head on one
+               rank (p = 1) gathers the tied ``V/t x h`` once more a micro-batch (one gather
+               per module using it); ZeRO-1/2 gather the updated 16-bit parameters once.
+               HSDP: the reduce-scatter and gathers inside the node (NVLink) and an
                all-reduce of the ``1/k`` shard across nodes, as often as the reduce-scatter.
                Without overlap (Megatron 2021's DDP reduces after backward) all of it is
                exposed. With ``dp_overlap`` each micro-batch's share runs behind that
@@ -59,7 +71,7 @@ from labkit.models.gpt import GPTConfig
 from labkit.planner.bubble import charged_bubble
 from labkit.planner.cluster import Cluster
 from labkit.planner.cp_ep import a2a_seconds, moe_mlp_shapes, ring_exposed
-from labkit.planner.links import GroupLink, group_links
+from labkit.planner.links import GroupLink, embedding_link, group_links
 from labkit.planner.memory import shard_size
 from labkit.planner.roofline import chip_for
 from labkit.planner.space import Candidate, offload_traffic, wire_bytes
@@ -186,13 +198,19 @@ def step_time(
     per_ar = ring_all_reduce_time(act, t, tpl.alpha, 1 / tpl.ring_bandwidth) if t > 1 else 0.0
     tp_all = cut.most_blocks * m * ars * per_ar
     tp_hidden = min(tp_all, parts["gemm"]) if tp_overlap else 0.0
+    ends = max(k * ars + (r == 0) + (r == cut.last_rank) for r, k in enumerate(cut.rank_blocks))
+    tp_ends = m * (ends - cut.most_blocks * ars) * per_ar  # the ends' all-reduces (docstring)
+    wte = -(-V // t) * h  # the tied weight's tp shard: V padded to a multiple of t, / t
+    tied = cfg.tie_weights
     pp_comm = 2 * m * v * (ppl.alpha + act / t / ppl.bandwidth) if p > 1 else 0.0
 
     k = shard if shard is not None else shard_size(cand, cluster, order)  # HSDP: a node's
     experts = expert_params if e > 1 else 0.0  # at ep = 1 the experts shard like the rest
     dense_link = links["dp_cp"] if c > 1 else links["dp"]
     flat = replace(cand, dp=d * c, cp=1, ep=1)  # dense gradients: averaged over dp x cp
-    groups = [(wire_bytes(flat, params_per_gpu - experts, precision, k, m), d * c, dense_link)]
+    both = wte if tied and p == 1 else 0.0  # ZeRO-3 gathers a tied unit per use (docstring)
+    dense = wire_bytes(flat, params_per_gpu - experts, precision, k, m, tied=both)
+    groups = [(dense, d * c, dense_link)]
     k_e = d * c // e
     if experts:  # the experts' gradients over the ranks holding the same experts (edp)
         ewire = wire_bytes(replace(flat, dp=k_e), experts, precision, k_e, m)
@@ -227,6 +245,12 @@ def step_time(
         "dp_comm": dp_comm,
         "optimizer": optimizer_time(chip, opt_params, precision),
     }
+    if t > 1:
+        terms["tp_ends_comm"] = tp_ends
+    if tied and p > 1:  # the tied embedding's gradient over the first and last stage
+        el = embedding_link(cluster, d, t, p, order, cp=c)
+        nbytes = wte * precision.wire_bytes
+        terms["tied_comm"] = ring_all_reduce_time(nbytes, 2, el.alpha, 1 / el.ring_bandwidth)
     if c > 1:  # ring attention's K/V beyond what each block hides (cp_ep.py)
         a_fwd, a_bwd = attention_time(chip, b, s, h, a, t, kind, True, c)
         out, hid = ring_exposed(cfg, b, t, c, a_fwd, a_bwd, links["cp"], cand.recompute)

@@ -55,6 +55,10 @@ def compare_table1(efficiency: float | None = None) -> list[dict[str, object]]:
                 "planner TFLOP/s": round(flops / (best.step_seconds * row.gpus) / 1e12, 1),
                 "at paper's (t, p)": round(flops / (paper.step_seconds * row.gpus) / 1e12, 1),
                 "paper's layout slower by": round(paper.step_seconds / best.step_seconds - 1, 3),
+                # billions of parameters a model-parallel rank holds, paper's layout / planner's
+                "B params per GPU": (round(row.params_billion / (row.tp * row.pp), 2),
+                                     round(row.params_billion / (best.candidate.tp
+                                                                 * best.candidate.pp), 2)),
             }
         )
     return rows
@@ -119,7 +123,12 @@ def table1_agreement(rows: list[dict[str, object]] | None = None) -> Table1Agree
 
 def format_table1_agreement(rows: list[dict[str, object]] | None = None) -> str:
     """One paragraph a lesson prints: what of Megatron's Table 1 holds, and what does not."""
+    rows = compare_table1() if rows is None else rows
     a = table1_agreement(rows)
+    per_gpu = [r["B params per GPU"] for r in rows if "B params per GPU" in r]
+    paper_side = [float(str(x[0])) for x in per_gpu] or [0.0]  # type: ignore[index]
+    lo, hi = min(paper_side), max(paper_side)
+    most = max([float(str(x[1])) for x in per_gpu] or [0.0])  # type: ignore[index]
     return textwrap.fill(
         f"Megatron Table 1 (Narayanan et al. 2021), {a.rows} rows: at the paper's own layout "
         f"the planner's TFLOP/s per GPU is within {a.max_error_at_paper_layout:.0%} of the "
@@ -127,7 +136,9 @@ def format_table1_agreement(rows: list[dict[str, object]] | None = None) -> str:
         f"{a.trend:.2f}). Its first choice is the paper's (t, p) in {a.first_choice_matches} "
         f"of {a.rows} rows, and the paper's is among its first {a.worst_rank} in every row: "
         f"where they differ the planner prefers less tensor parallelism, which its roofline "
-        f"predicts faster than the paper's layout (see the rows' 'paper's layout slower by').",
+        f"predicts faster than the paper's layout (see the rows' 'paper's layout slower by'). "
+        f"The paper's layouts hold {lo:.1f}-{hi:.1f}B parameters per GPU in every row, a "
+        f"weak-scaling design, where memory alone admits up to {most:.1f}B.",
         width=92,
     )
 

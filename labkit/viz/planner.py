@@ -59,20 +59,15 @@ def gpt_of_size(billions: int, vocab: int = 51_200, seq: int = 2_048) -> GPTConf
     return GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=hidden)
 
 
-def _safe_first(preds: list[Prediction]) -> list[Prediction]:
-    """Fits with >= 5% headroom first, then risky fits, then the rest; fastest first in each."""
-    return sorted(preds, key=lambda r: (not r.fits, r.risky))  # stable: plan's order inside
-
-
 @functools.lru_cache(maxsize=32)
 def _planned(cfg: GPTConfig, cluster: Cluster, global_batch: int, full: bool) -> tuple:
     search = FULL_SEARCH if full else SEARCH
-    return tuple(_safe_first(plan(cfg, cluster, global_batch, **search)))  # type: ignore[arg-type]
+    return tuple(plan(cfg, cluster, global_batch, **search))  # type: ignore[arg-type]
 
 
 def plan_3d(cfg: GPTConfig, cluster: Cluster, global_batch: int) -> list[Prediction]:
     """The planner over what a learner picks: dp, tp, pp, micro-batch, ZeRO 0-3, recompute
-    none/selective/full, 1 or 2 virtual stages; safe fits first (:func:`_safe_first`).
+    none/selective/full, 1 or 2 virtual stages; safe fits first (``plan``'s order).
     Cached (pure arithmetic on frozen inputs): a widget returning to a setting is free."""
     return list(_planned(cfg, cluster, global_batch, False))
 
