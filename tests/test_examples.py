@@ -32,7 +32,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_torchrun_nodes_match_single_process() -> None:
+def test_two_torchrun_nodes_match_single_process(tmp_path) -> None:
     from labkit.labs.threed import LabConfig, reference
     from labkit.parallel import ParallelDegrees
     from labkit.parallel.threed import ThreeDConfig
@@ -41,7 +41,7 @@ def test_two_torchrun_nodes_match_single_process() -> None:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "threed",
-        "--max-restarts", "0", "-m", ENTRY, *ARGS,
+        "--max-restarts", "0", "--log-dir", str(tmp_path / "agents"), "-m", ENTRY, *ARGS,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)

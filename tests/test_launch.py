@@ -342,6 +342,7 @@ def test_worker_functions_run_unchanged_under_torchrun(tmp_path):
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
+        f"--log-dir={tmp_path / 'agent'}",  # not a torchelastic_* folder left in the system temp
         str(script),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=110)

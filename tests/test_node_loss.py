@@ -11,6 +11,8 @@ run_ranks' warm worlds; it is bounded, and every process it starts carries the t
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -90,8 +92,13 @@ def test_a_node_dies_and_training_goes_on_on_the_others(tmp_path, job_tag):
     if why and os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"CI requires the netns drill, but {why}")
     cfg = NodeLossConfig()  # 3 nodes x 1 rank, 10 steps, save every 3, node 2 dies in step 5
+    elastic_dirs = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     r = run_node_loss(cfg, tmp_path / "run", env={"LABKIT_TEST_TAG": job_tag}, timeout=120)
     assert r.mode == ("software" if why else "netns")
+    # the agents kept their workers' logs in the run's folder, not in new torchelastic_* folders
+    # of the system temp that nobody removes (what torchrun does without --log-dir)
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) == elastic_dirs
+    assert len(list((tmp_path / "run").glob("agent*"))) == 3
     # detected by the survivors' collective: a timeout when the link is down (no FIN), else
     # a closed connection at once
     if r.mode == "netns":

@@ -62,10 +62,15 @@ def _free_port() -> int:
 
 
 def agent_command(cfg: NodeLossConfig, nodes: int, node: int, endpoint: str, run_id: str,
-                  local_addr: str, max_restarts: int = 2) -> list[str]:  # fmt: skip
-    """Node ``node``'s torchrun: elastic between N-1 and N nodes, one rank per node."""
+                  local_addr: str, max_restarts: int = 2,
+                  log_dir: Path | None = None) -> list[str]:  # fmt: skip
+    """Node ``node``'s torchrun: elastic between N-1 and N nodes, one rank per node.
+    ``log_dir``: where the agent keeps its workers' logs (the drill passes its own work folder;
+    without one, torchrun makes a ``torchelastic_*`` folder in the system temp that nobody
+    removes)."""
     return [
         sys.executable, "-m", "torch.distributed.run",
+        *(["--log-dir", str(log_dir)] if log_dir is not None else []),
         "--nnodes", f"{nodes - 1}:{nodes}", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if node == 0 else 'false'}",
@@ -146,7 +151,8 @@ def run_node_loss(
             endpoint = f"{host}:{RDZV_PORT if plan else _free_port()}"
             for node in range(nodes):
                 addr = plan.address(node) if plan else "127.0.0.1"
-                cmd = agent_command(cfg, nodes, node, endpoint, run_id, addr)
+                cmd = agent_command(cfg, nodes, node, endpoint, run_id, addr,
+                                    log_dir=work / f"agent{node}")  # fmt: skip
                 prefix = ["ip", "netns", "exec", plan.namespace(node)] if plan else []
                 node_env = {**base, "LABKIT_NODE": str(node),
                             "GLOO_SOCKET_IFNAME": plan.node_if(node) if plan else "lo"}  # fmt: skip
