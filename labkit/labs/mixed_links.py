@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labkit.collectives.cost_model import busbw_factor
 from labkit.labs.threed import LabConfig, batch, build_model
 from labkit.launch import launch
 from labkit.measure.mixed_links import measure_links
@@ -36,7 +37,7 @@ from labkit.planner.cluster import Cluster
 from labkit.planner.links import ORDERS, group_links
 from labkit.planner.memory import MEGATRON_MIXED
 from labkit.planner.plan import Candidate, Prediction, _stage_params, plan, predict
-from labkit.planner.space import wire_bytes
+from labkit.planner.space import WIRE_OPS, wire_bytes
 
 __all__ = [
     "GPT_10B", "MINI_LAYOUTS", "MiniConfig", "MiniLayout", "comm_by_link", "ordered_layout",
@@ -96,8 +97,7 @@ def traffic(
     dp_bytes = 0.0
     for name, (buf, _, times) in wire_bytes(cand, _stage_params(cfg, t, p), MEGATRON_MIXED,
                                             d, m).items():  # fmt: skip
-        share = 2 * (n - 1) / n if "all_reduce" in name else (n - 1) / n
-        dp_bytes += share * buf / k * times
+        dp_bytes += busbw_factor(WIRE_OPS[name], n) * buf / k * times
     sent = {
         "tp": layers / p * m * ars * 2 * (t - 1) / t * act,
         "pp": 2 * m * v * act / t if p > 1 else 0.0,

@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from labkit.collectives.cost_model import busbw_factor
+
 __all__ = ["COLLECTIVES", "Message", "P2P", "WireCounter", "wire_bytes"]
 
 # wrapped name -> (op recorded, the argument naming the payload, torch's parameter order)
@@ -89,15 +91,13 @@ def wire_bytes(msg: Message) -> float:
     """Bytes a ring (bandwidth-optimal) algorithm sends from the calling rank for ``msg``
     (module docstring): the planner's unit, converted here and nowhere else."""
     p = len(msg.ranks)
-    if msg.op == "all_reduce":
-        return 2 * (p - 1) * msg.nbytes / p
-    if msg.op in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (p - 1) * msg.nbytes / p
-    if msg.op in ("broadcast", "send"):
-        return float(msg.nbytes) if p > 1 else 0.0
-    if msg.op == "recv":
+    if msg.op == "recv" or p == 1:
         return 0.0
-    raise ValueError(f"unknown op {msg.op!r} in {msg}")
+    if msg.op == "send":
+        return float(msg.nbytes)
+    if msg.op == "all_to_all":  # every rank keeps its own piece: (p-1)/p leaves, as a gather
+        return busbw_factor("all_gather", p) * msg.nbytes
+    return busbw_factor(msg.op, p) * msg.nbytes  # nccl-tests' ring factors; unknown ops raise
 
 
 def _nbytes(x: Any) -> int:

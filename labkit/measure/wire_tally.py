@@ -40,7 +40,7 @@ from labkit.models.gpt import GPTConfig
 from labkit.parallel.layout import ParallelDegrees, rank_grid
 from labkit.planner.cluster import Cluster
 from labkit.planner.plan import predict
-from labkit.planner.space import Candidate
+from labkit.planner.space import WIRE_OPS, Candidate
 from labkit.planner.space import wire_bytes as planner_wire
 
 __all__ = [
@@ -55,9 +55,6 @@ PLANNER_TERM = {"layers": "tp_comm", "ends": "tp_ends_comm", "activations": "pp_
                 "tied_embedding": "tied_comm", "gradients": "dp_comm"}  # fmt: skip
 BOOKKEEPING = ("loss", "used_flags")  # small and unpriced (module docstring)
 Record = tuple[Message, str]  # a message and its term
-_OPS = {"grad_all_reduce": "all_reduce", "grad_reduce_scatter": "reduce_scatter",
-        "param_all_gather": "all_gather", "grad_all_reduce_replicas": "all_reduce",
-        "tied_param_all_gather": "all_gather"}  # fmt: skip
 
 
 def term_of(msg: Message, labels: dict[int, str]) -> str:
@@ -187,6 +184,6 @@ def dp_bytes(cand: Candidate, psi: float, precision: Precision, micro_batches: i
     total = 0.0
     for name, (nbytes, ranks, count) in planner_wire(cand, psi, precision, cand.dp,
                                                      micro_batches, tied).items():  # fmt: skip
-        one = Message(_OPS[name], tuple(range(ranks)), int(nbytes), "planner")
+        one = Message(WIRE_OPS[name], tuple(range(ranks)), int(nbytes), "planner")
         total += count * wire_bytes(one)
     return total

@@ -43,7 +43,8 @@ from labkit.planner.flops import megatron_flops_per_iteration
 
 __all__ = [
     "RISKY_MARGIN", "SHARD_GROUPS", "ZERO_STAGES", "Candidate", "Prediction",
-    "ends_cut", "enumerate_candidates", "hardware_flops", "offload_traffic", "wire_bytes",
+    "WIRE_OPS", "ends_cut", "enumerate_candidates", "hardware_flops", "offload_traffic",
+    "wire_bytes",
 ]  # fmt: skip
 
 ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -148,6 +149,12 @@ def hardware_flops(cfg: GPTConfig, global_batch: int, recompute: str) -> float:
     B, s, L, h, V = global_batch, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.vocab_size
     flops = megatron_flops_per_iteration(B, s, L, h, V, recompute=recompute == "full")
     return flops + (4 * B * s * s * h * L if recompute == "selective" else 0.0)
+
+
+# the collective each entry of :func:`wire_bytes` is (for a ring's share of its buffer)
+WIRE_OPS = {"grad_all_reduce": "all_reduce", "grad_reduce_scatter": "reduce_scatter",
+            "param_all_gather": "all_gather", "grad_all_reduce_replicas": "all_reduce",
+            "tied_param_all_gather": "all_gather"}  # fmt: skip
 
 
 def wire_bytes(
