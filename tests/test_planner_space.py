@@ -17,7 +17,8 @@ from labkit.models import preset
 from labkit.planner import CLUSTERS, Candidate, Cluster, enumerate_candidates, plan, predict
 from labkit.planner.links import group_links
 from labkit.planner.memory import MEGATRON_MIXED, shard_size
-from labkit.planner.space import RISKY_MARGIN, offload_traffic, wire_bytes
+from labkit.planner.offload import offload_traffic
+from labkit.planner.space import RISKY_MARGIN, wire_bytes
 
 GPT13 = preset("gpt2-1.3b")
 H200 = Cluster(nodes=1, gpus_per_node=1, memory_bytes=141e9, peak_flops=989e12,

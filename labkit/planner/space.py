@@ -22,7 +22,7 @@ A :class:`Candidate` is every choice a Megatron/DeepSpeed/FSDP run makes:
 
 What the time side charges for these choices is in :func:`wire_bytes` (each dp collective's
 buffer, group and count per step, in the precision policy's reduce dtype) and
-:func:`offload_traffic` (PCIe bytes and CPU optimizer-step parameters). A
+:func:`labkit.planner.offload.offload_traffic` (PCIe bytes and CPU optimizer-step parameters). A
 :class:`Prediction` fits when its total is at most the card's memory, and is *risky* when it
 fits by less than :data:`RISKY_MARGIN` (5%): allocator fragmentation and library workspaces
 vary by more than that.
@@ -43,8 +43,7 @@ from labkit.planner.flops import megatron_flops_per_iteration
 
 __all__ = [
     "RISKY_MARGIN", "SHARD_GROUPS", "ZERO_STAGES", "Candidate", "Prediction",
-    "WIRE_OPS", "ends_cut", "enumerate_candidates", "hardware_flops", "offload_traffic",
-    "wire_bytes",
+    "WIRE_OPS", "ends_cut", "enumerate_candidates", "hardware_flops", "wire_bytes",
 ]  # fmt: skip
 
 ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -202,21 +201,6 @@ def wire_bytes(
     if shard < d:
         out["grad_all_reduce_replicas"] = (g / shard, d // shard, reduces)
     return out
-
-
-def offload_traffic(cand: Candidate, psi: float, precision: Precision, shard: int) -> dict:
-    """What CPU offload adds per step and GPU: ``pcie_bytes`` (gradients down in their own
-    dtype, updated 16-bit parameters back up) and ``cpu_step_params`` (the parameters the CPU
-    optimizer steps: this GPU's ZeRO shard). Zero for ``offload="none"``. The time side's
-    term is ``offload``: ``pcie_bytes`` over the host link plus the CPU Adam step (memory
-    bound: about 16 bytes read and written per parameter), less what overlaps backward."""
-    if cand.offload == "none":
-        return {"pcie_bytes": 0.0, "cpu_step_params": 0.0}
-    own = psi / shard if cand.zero >= 1 else psi
-    return {
-        "pcie_bytes": own * (precision.grad_bytes + precision.param_bytes),
-        "cpu_step_params": own,
-    }
 
 
 def enumerate_candidates(

@@ -73,8 +73,9 @@ from labkit.planner.cluster import Cluster
 from labkit.planner.cp_ep import a2a_seconds, moe_mlp_shapes, ring_exposed
 from labkit.planner.links import GroupLink, embedding_link, group_links
 from labkit.planner.memory import shard_size
+from labkit.planner.offload import offload_traffic
 from labkit.planner.roofline import chip_for
-from labkit.planner.space import Candidate, offload_traffic, wire_bytes
+from labkit.planner.space import Candidate, wire_bytes
 from labkit.planner.stages import stage_cut
 from labkit.planner.timing import (
     LayerTime,
