@@ -30,6 +30,12 @@ f. A GEMM sweep: bf16 ``torch.mm`` TFLOP/s over square and transformer shapes, a
    (written to $OUT/gemm_sweep.json with the card and torch version).
 g. The GEMMs of a transformer layer over tokens x hidden x tensor-parallel degree
    ($OUT/gemm_grid.json).
+h. The 1.3B step pushed further: the vocabulary padded to a multiple of 64 (the head's
+   GEMM aligned), ``torch.compile`` of the blocks, other micro-batches, and the unpadded
+   step again as the same card's baseline ($OUT/push.json, written as each variant lands).
+i. The step taken apart into the planner's named terms (``gpu_step_parts.py``): the layer's
+   GEMMs, SDPA per backend, the elementwise work eager and compiled, a block eager and
+   compiled, the head at both vocabularies, the optimizer ($OUT/step_parts.json).
 
 Prints one JSON summary at the end (and writes it to $OUT/gpu_check.json when OUT is set).
 """
@@ -56,10 +62,63 @@ def peak_flops(name: str) -> float | None:
     return peak(name)
 
 
-def capstone(recompute: str) -> dict[str, Any]:
+def capstone(recompute: str, **kw: Any) -> dict[str, Any]:
     from labkit.measure.capstone import capstone_step
 
-    return capstone_step(recompute)
+    return capstone_step(recompute, **kw)
+
+
+# The step pushed further (section h), each variant a point the planner predicts
+# (labkit.planner.gpu_checks). Most informative first, so a run cut short keeps the best.
+PUSH = (
+    ("pad64_none_mb24", "none", {"micro_batch": 24, "pad_vocab_to": 64}),
+    ("base_none_mb24", "none", {"micro_batch": 24}),
+    ("pad64_none_mb24_compiled", "none",
+     {"micro_batch": 24, "pad_vocab_to": 64, "compile_blocks": True}),
+    ("pad64_full_mb32", "full", {"micro_batch": 32, "pad_vocab_to": 64}),
+    ("pad64_none_mb8", "none", {"micro_batch": 8, "pad_vocab_to": 64}),
+    ("pad64_none_mb16", "none", {"micro_batch": 16, "pad_vocab_to": 64}),
+    ("pad64_full_mb32_compiled", "full",
+     {"micro_batch": 32, "pad_vocab_to": 64, "compile_blocks": True}),
+)  # fmt: skip
+
+
+def step_parts() -> dict[str, Any]:
+    from gpu_step_parts import step_parts as parts
+
+    out = parts()
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "step_parts.json"), "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return out
+
+
+def push() -> dict[str, Any]:
+    """Section h: the 1.3B step with the vocabulary padded to a multiple of 64, with
+    ``torch.compile`` of the blocks, at several micro-batches; the unpadded step again on
+    the same card as the baseline. Each result is written to $OUT/push.json as it lands."""
+    out: dict[str, Any] = {}
+    for key, recompute, kw in PUSH:
+        t0 = time.perf_counter()
+        try:
+            out[key] = capstone(recompute, **kw)
+        except Exception as e:  # one failing variant must not hide the others
+            out[key] = {"error": f"{type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        out[key]["wall_s"] = time.perf_counter() - t0
+        r = out[key]
+        print(f"   h {key}: {r.get('tokens_per_s', 0):,.0f} tok/s, MFU {r.get('mfu')}, "
+              f"{r.get('max_memory_allocated_GiB')} GiB, {r['wall_s']:.0f} s "
+              f"{r.get('error', '')}", flush=True)  # fmt: skip
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "push.json"), "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           **out}, f, indent=1, default=str)  # fmt: skip
+    return out
 
 
 # --------------------------------------------------------------------------- b. nccl paths
@@ -353,6 +412,8 @@ SECTIONS = {
     "d": tracker,
     "f": gemm_sweep,
     "g": transformer_grid,
+    "h": push,
+    "i": step_parts,
 }
 
 

@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["PEAKS", "ChunkedMixedAdamW", "capstone_step", "model_flops_per_token", "peak_flops"]
+__all__ = [
+    "PEAKS",
+    "ChunkedMixedAdamW",
+    "capstone_step",
+    "model_flops_per_token",
+    "padded_vocab",
+    "peak_flops",
+]
 
 # bf16 dense peak FLOP/s (no sparsity), from the vendors' data sheets
 PEAKS = [
@@ -50,7 +57,9 @@ class ChunkedMixedAdamW:
     """bf16 model parameters, fp32 master weights, fused AdamW stepped chunk by chunk: the
     ZeRO paper's 2 + 2 + 12 bytes per parameter plus one chunk's fp32 gradients."""
 
-    def __init__(self, params: list[torch.nn.Parameter], chunk: int, lr: float = 1e-4) -> None:
+    def __init__(
+        self, params: list[torch.nn.Parameter], chunk: int, lr: float = 1e-4, fused: bool = True
+    ) -> None:
         self.params = params
         self.master = [p.detach().float().clone() for p in params]  # before the bf16 cast
         self.chunks: list[list[int]] = [[]]
@@ -62,7 +71,7 @@ class ChunkedMixedAdamW:
             self.chunks[-1].append(i)
             size += p.numel()
         self.opts = [
-            torch.optim.AdamW([self.master[i] for i in idx], lr=lr, fused=True, weight_decay=0.1)
+            torch.optim.AdamW([self.master[i] for i in idx], lr=lr, fused=fused, weight_decay=0.1)
             for idx in self.chunks
         ]
 
@@ -80,34 +89,70 @@ class ChunkedMixedAdamW:
                 self.master[i].grad = None
 
 
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (Megatron's
+    ``make_vocab_size_divisible_by``; nanoGPT's 50,304): the head's GEMM then has every
+    dimension a multiple of 8 elements and stays on the tensor cores' fast path. The padded
+    rows are never a target; they take part in the softmax, as in Megatron and nanoGPT."""
+    if multiple < 1:
+        raise ValueError(f"pad multiple must be >= 1, got {multiple}")
+    return -(-vocab_size // multiple) * multiple
+
+
 def capstone_step(
-    recompute: str = "full", steps: int = 6, warmup: int = 3, preset_name: str = "gpt2-1.3b"
+    recompute: str = "full",
+    steps: int = 6,
+    warmup: int = 3,
+    preset_name: str = "gpt2-1.3b",
+    *,
+    micro_batch: int | None = None,
+    pad_vocab_to: int = 1,
+    compile_blocks: bool = False,
+    device: str = "cuda",
 ) -> dict[str, Any]:
+    """One measured configuration of the capstone step (module docstring).
+
+    ``micro_batch``: None picks the largest the estimate fits in 85% of the card.
+    ``pad_vocab_to``: round the vocabulary up to this multiple (64 gives GPT-2's 50,304); the
+    model FLOPs stay those of the real vocabulary, so padding can only lower the MFU it
+    reports. ``compile_blocks``: ``torch.compile`` each transformer block (the blocks share
+    one compiled graph), which fuses LayerNorm, GELU and the residual adds.
+    """
     from labkit.activation_checkpoint import apply_activation_checkpointing
     from labkit.memory.estimate import GIB, TrainSetup, estimate
     from labkit.models import GPT, lm_loss, preset
 
-    dev = torch.device("cuda")
-    cfg = preset(preset_name)
+    if recompute not in ("none", "full"):
+        raise ValueError(
+            f"recompute must be 'none' or 'full' here, got {recompute!r} (with SDPA, "
+            "Korthikanti's selective recompute stores nothing 'none' does not)"
+        )
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    real = preset(preset_name)
+    cfg = real.with_(vocab_size=padded_vocab(real.vocab_size, pad_vocab_to))
     seq, chunk = cfg.block_size, 64 * 2**20
-    capacity = torch.cuda.get_device_properties(dev).total_memory
     setup = TrainSetup(precision="bf16", recompute=recompute, grad_chunk_params=chunk)
-    batches = [
-        b
-        for b in (32, 24, 16, 12, 8, 6, 4, 2, 1)
-        if estimate(cfg, setup, micro_batch=b).total < 0.85 * capacity
-    ]
-    b = batches[0]
+    if micro_batch is None:
+        capacity = torch.cuda.get_device_properties(dev).total_memory
+        micro_batch = next(
+            (b for b in (32, 24, 16, 12, 8, 6, 4, 2, 1)
+             if estimate(cfg, setup, micro_batch=b).total < 0.85 * capacity), 1
+        )  # fmt: skip
+    b = micro_batch
     est = estimate(cfg, setup, micro_batch=b)
     torch.manual_seed(0)
     with dev:
         model = GPT(cfg)  # fp32 first: the master weights are copied exactly
     params = list(model.parameters())
-    opt = ChunkedMixedAdamW(params, chunk)
+    opt = ChunkedMixedAdamW(params, chunk, fused=cuda)
     model.to(torch.bfloat16)
     if recompute == "full":
         apply_activation_checkpointing(model.blocks, "full", impl="torch")
-    x = torch.randint(0, cfg.vocab_size, (b, seq), device=dev)
+    if compile_blocks:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)  # type: ignore[assignment]
+    x = torch.randint(0, real.vocab_size, (b, seq), device=dev)  # never a padded id
     y = torch.roll(x, -1, 1)
 
     def step() -> float:
@@ -116,29 +161,36 @@ def capstone_step(
         opt.step()
         return loss.item()
 
+    t0 = time.perf_counter()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         losses.append(step())
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    measured = torch.cuda.max_memory_allocated()
+    measured = torch.cuda.max_memory_allocated() if cuda else 0
     dt = statistics.median(times)
-    n, fpt = model_flops_per_token(cfg, seq)
+    n, fpt = model_flops_per_token(real, seq)
     tokens = b * seq / dt
-    peak = peak_flops(torch.cuda.get_device_name())
+    peak = peak_flops(torch.cuda.get_device_name()) if cuda else None
     out = {
         "recompute": recompute,
         "micro_batch": b,
         "seq": seq,
+        "vocab_size": cfg.vocab_size,
+        "compile_blocks": compile_blocks,
+        "warmup_s": warmup_s,
         "params": cfg.num_params(),
         "N_for_flops": n,
         "flops_per_token": fpt,
-        "flops_formula": "6N + 12*L*h*s",
+        "flops_formula": "6N + 12*L*h*s (N of the unpadded vocabulary)",
         "step_s_median": dt,
         "step_s_min_max": [min(times), max(times)],
         "tokens_per_s": tokens,
@@ -147,7 +199,7 @@ def capstone_step(
         "loss_first_last": [losses[0], losses[-1]],
         "max_memory_allocated_GiB": measured / GIB,
         "predicted_peak_allocated_GiB": est.peak_allocated / GIB,
-        "predicted_over_measured": est.peak_allocated / measured,
+        "predicted_over_measured": est.peak_allocated / measured if measured else None,
         "predicted_by_category_GiB": {k: v / GIB for k, v in est.by_category().items()},
     }
     return out

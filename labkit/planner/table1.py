@@ -144,7 +144,7 @@ def format_table1_agreement(rows: list[dict[str, object]] | None = None) -> str:
 
 
 def main() -> None:  # pragma: no cover - a report for people; each piece is tested
-    from labkit.planner.gpu_checks import h200_rows
+    from labkit.planner.gpu_checks import h200_parts, h200_rows
     from labkit.planner.published import korthikanti_rows, published_rows
 
     def show(title: str, rows: list[dict[str, object]], skip: tuple[str, ...] = ()) -> None:
@@ -167,7 +167,10 @@ def main() -> None:  # pragma: no cover - a report for people; each piece is tes
     show("Other published runs (sources below)", pub, skip=("source",))
     for r in pub:
         print(f"  {r['run']}: {r['source']}")
-    show("This project's H200 (docs/gpu_check_h200.json)", h200_rows())
+    show("This project's H200, GPT-2 1.3B on one GPU (docs/gpu_check_h200.json, "
+         "gpu_push_h200.json)", h200_rows())  # fmt: skip
+    show("The same step's named terms, each timed alone at micro-batch 24 "
+         "(docs/gpu_step_parts_h200.json)", h200_parts())  # fmt: skip
 
 
 if __name__ == "__main__":
