@@ -47,6 +47,21 @@ Where the threshold comes from. :class:`AllReduceChoice` holds it, in bytes per 
   what it leaves out is that the ring adds piece by piece while the next piece is on the
   wire, which counts once the addition costs more than a latency. On 4 ranks the model's
   crossover with the link fitted in notebook 02 is about 2 MB, so 1 MB stays on the safe side.
+  Remeasured on 4 ranks, 2026-11-27, quiet (load 0.3), 9 rounds, median ms per call::
+
+      size     torch   tuned ring   recursive doubling   halving-doubling   two-shot
+      1 MB     5.96    11.6          4.76                 13.4               6.39
+      4 MB     7.78    12.7         12.6                  15.0              12.7
+      8 MB    13.5     19.6         24.6                  25.9              23.0
+     16 MB    25.3     34.1         45.7                  39.8              37.5
+     32 MB    50.5     54.2         85.4                  68.0              62.7
+
+  (two-shot, from a second run minutes later in which the ring took 10.8, 22.6, 37.7 ms at
+  4, 8, 16 MB: a direct reduce-scatter and all-gather, each one batch to every peer, tried as a
+  prototype and not kept: the fewest steps did not help with 4 processes on 2 cores.) The
+  1 MB threshold stands: recursive doubling wins at 1 MB, the ring from 8 MB, 4 MB is a tie.
+  Nothing of ours reaches gloo's native all-reduce from 4 to 16 MB on 4 ranks of this
+  2-core machine, where every extra step is a context switch among 4 busy processes.
 * :meth:`AllReduceChoice.from_fit` takes it from a fitted link instead:
   ``cost_model.crossover_bytes(p, alpha, beta)``, capped at ``SMALL_BYTES`` (the reason above).
 * or pass any ``small_bytes`` you measured yourself.
