@@ -13,7 +13,9 @@ from labkit.collectives.cost_model import ring_all_reduce_time
 from labkit.memory.model import MIXED_ADAM, Precision
 from labkit.models import GPTConfig
 from labkit.planner import CLUSTERS, Candidate, Cluster
+from labkit.planner.flops import megatron_flops_per_iteration, selective_hardware_flops
 from labkit.planner.memory import MEGATRON_MIXED
+from labkit.planner.plan import predict
 from labkit.planner.published import (
     KORTHIKANTI_TABLE5,
     korthikanti_readme_check,
@@ -298,3 +300,23 @@ def test_korthikanti_seconds_reproduce_the_megatron_readme_utilisation() -> None
     wrong = {r["model"]: r for r in korthikanti_readme_check(hfu="forward-only")}
     miss = float(str(wrong["22B"]["README HFU"])) - float(str(wrong["22B"]["HFU from seconds"]))
     assert miss > 0.01, wrong["22B"]
+
+
+def test_the_planners_hfu_is_the_count_that_reproduces_the_readme() -> None:
+    # one count of hardware FLOPs: a selective candidate's HFU, as the planner predicts it, is
+    # Korthikanti's 72 B s l h^2 (1 + s/3h + V/12lh) over the predicted time, not the
+    # forward-only count (4 B s^2 h a layer on top of the model FLOPs) it once used
+    row = next(r for r in KORTHIKANTI_TABLE5 if r.name == "22B")
+    cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=row.layers, n_head=row.heads,
+                    n_embd=row.hidden, attention="explicit")  # fmt: skip
+    cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(row.gpus // 8)
+    cand = Candidate(dp=row.gpus // (row.tp * row.pp), tp=row.tp, pp=row.pp, micro_batch=1,
+                     recompute="selective", sp=True)  # fmt: skip
+    pred = predict(cfg, cluster, row.batch, cand)
+    executed = pred.hfu * pred.step_seconds * row.gpus * cluster.peak_flops
+    paper = selective_hardware_flops(row.batch, 2048, row.layers, row.hidden, 51200)
+    assert executed == pytest.approx(paper, rel=1e-9)
+    forward_only = megatron_flops_per_iteration(row.batch, 2048, row.layers, row.hidden, 51200,
+                                                recompute=False)  # fmt: skip
+    forward_only += 4 * row.batch * 2048**2 * row.hidden * row.layers
+    assert executed / forward_only - 1 > 0.02

@@ -24,12 +24,17 @@ from typing import NamedTuple
 
 from labkit.models.gpt import GPTConfig
 from labkit.planner.cluster import CLUSTERS
-from labkit.planner.flops import A100_PEAK, megatron_flops_per_iteration
+from labkit.planner.flops import (
+    A100_PEAK,
+    megatron_flops_per_iteration,
+    selective_hardware_flops,
+)
 from labkit.planner.plan import Candidate, plan, predict
+from labkit.planner.space import hardware_flops
 
 __all__ = ["KORTHIKANTI_TABLE5", "MEGATRON_README_UTILIZATION", "PUBLISHED_RUNS",
            "KorthikantiRow", "PublishedRun", "korthikanti_readme_check", "korthikanti_rows",
-           "published_rows", "selective_hardware_flops"]  # fmt: skip
+           "published_rows"]  # fmt: skip
 
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5"
 
@@ -67,16 +72,6 @@ KORTHIKANTI_TABLE5: tuple[KorthikantiRow, ...] = (
 MEGATRON_README_UTILIZATION: dict[str, tuple[float, float]] = {
     "22B": (0.415, 0.437), "175B": (0.514, 0.528), "530B": (0.560, 0.570), "1T": (0.563, 0.570),
 }  # fmt: skip
-
-
-def selective_hardware_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Korthikanti et al.'s hardware FLOPs with selective recompute:
-    ``72 B s l h^2 (1 + s/3h + V/12lh)``, the model FLOPs with the attention core's ``s/6h``
-    term counted twice. It is the count that reproduces the README's HFU column (to 0.1
-    point); adding only the recomputed core's forward, ``4 B s^2 h`` a layer, gives 22B's HFU
-    as 42.4% where the README says 43.7% (``korthikanti_readme_check``, negative control)."""
-    model = megatron_flops_per_iteration(batch, seq, layers, hidden, vocab, recompute=False)
-    return model + 12 * batch * seq * seq * hidden * layers
 
 
 def korthikanti_readme_check(hfu: str = "paper") -> list[dict[str, object]]:
@@ -163,9 +158,7 @@ def korthikanti_rows() -> list[dict[str, object]]:
         model = megatron_flops_per_iteration(r.batch, 2048, r.layers, r.hidden, 51200,
                                              recompute=False)  # fmt: skip
         for recipe, paper_s in (("full", r.full_s), ("selective", r.selective_s)):
-            hw = (megatron_flops_per_iteration(r.batch, 2048, r.layers, r.hidden, 51200)
-                  if recipe == "full"
-                  else selective_hardware_flops(r.batch, 2048, r.layers, r.hidden, 51200))
+            hw = hardware_flops(cfg, r.batch, recipe)  # the planner's one count of HFU
             cand = Candidate(dp=r.gpus // (r.tp * r.pp), tp=r.tp, pp=r.pp, micro_batch=1,
                              recompute=recipe, sp=recipe == "selective")  # fmt: skip
             ours = predict(cfg, cluster, r.batch, cand).step_seconds

@@ -39,7 +39,7 @@ from labkit.models.gpt import GPTConfig
 from labkit.parallel.layout import ParallelDegrees
 from labkit.pipeline.cut import layer_counts
 from labkit.planner.cluster import Cluster
-from labkit.planner.flops import megatron_flops_per_iteration
+from labkit.planner.flops import megatron_flops_per_iteration, selective_hardware_flops
 
 __all__ = [
     "RISKY_MARGIN", "SHARD_GROUPS", "ZERO_STAGES", "Candidate", "Prediction",
@@ -144,10 +144,12 @@ class Prediction:
 def hardware_flops(cfg: GPTConfig, global_batch: int, recompute: str) -> float:
     """FLOPs one iteration really executes (Narayanan et al. 2021's count): MFU's model FLOPs
     (the 72 factor) plus the recompute's: full reruns every layer's forward (the 96 factor),
-    selective the attention scores' ``4 B s^2 h`` per layer (Korthikanti et al. 2022)."""
+    selective counts the attention core again as Korthikanti et al. 2022 do
+    (:func:`~labkit.planner.flops.selective_hardware_flops`, the count their HFU uses)."""
     B, s, L, h, V = global_batch, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.vocab_size
-    flops = megatron_flops_per_iteration(B, s, L, h, V, recompute=recompute == "full")
-    return flops + (4 * B * s * s * h * L if recompute == "selective" else 0.0)
+    if recompute == "selective":
+        return selective_hardware_flops(B, s, L, h, V)
+    return megatron_flops_per_iteration(B, s, L, h, V, recompute=recompute == "full")
 
 
 # the collective each entry of :func:`wire_bytes` is (for a ring's share of its buffer)
