@@ -79,16 +79,18 @@ def step_time(wrap: Wrap, workload: str = "mlp", steps: int = 10, warmup: int = 
     return statistics.median(times[warmup:])
 
 
-def compare_step_times(
+def step_time_samples(
     wraps: dict[str, Wrap],
     workloads: tuple[str, ...] = ("cnn", "mlp"),
     steps: int = 10,
     warmup: int = 3,
-) -> dict[tuple[str, str], float]:
-    """Run on every rank: ``{(workload, name): median seconds per step}``, slowest rank's.
+) -> dict[tuple[str, str], list[float]]:
+    """Run on every rank: ``{(workload, name): seconds of each timed step}``, each step the
+    slowest rank's.
 
     The variants take turns step by step (A, B, C, A, B, C, ...), so a burst of load on a
-    shared machine hits all of them alike and the ratios stay meaningful.
+    shared machine hits all of them alike: step ``i`` of two variants is a fair pair, and the
+    ratio of a pair is steadier than the ratio of two medians.
     """
     out = {}
     for workload in workloads:
@@ -100,11 +102,23 @@ def compare_step_times(
                 if i >= warmup:
                     samples[name].append(t)
         for name, values in samples.items():
-            med = torch.tensor(statistics.median(values))
-            dist.all_reduce(med, op=dist.ReduceOp.MAX)
-            out[(workload, name)] = float(med)
+            slowest = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # same length on every rank
+            out[(workload, name)] = slowest.tolist()
         del trainers
     return out
+
+
+def compare_step_times(
+    wraps: dict[str, Wrap],
+    workloads: tuple[str, ...] = ("cnn", "mlp"),
+    steps: int = 10,
+    warmup: int = 3,
+) -> dict[tuple[str, str], float]:
+    """Run on every rank: ``{(workload, name): median seconds per step}`` of
+    :func:`step_time_samples` (each step the slowest rank's)."""
+    samples = step_time_samples(wraps, workloads, steps, warmup)
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def recorded_step(wrap: Wrap, workload: str = "mlp", warmup: int = 2) -> list[Event]:
