@@ -42,6 +42,7 @@ Prints one JSON summary at the end (and writes it to $OUT/gpu_check.json when OU
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -105,8 +106,6 @@ def push() -> dict[str, Any]:
         except Exception as e:  # one failing variant must not hide the others
             out[key] = {"error": f"{type(e).__name__}: {e}",
                         "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
-        import gc
-
         gc.collect()
         torch.cuda.empty_cache()
         out[key]["wall_s"] = time.perf_counter() - t0

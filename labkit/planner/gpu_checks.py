@@ -24,6 +24,7 @@ from dataclasses import replace
 from statistics import mean
 from typing import NamedTuple
 
+from labkit.measure.capstone import padded_vocab
 from labkit.memory.estimate import GIB, TrainSetup, estimate
 from labkit.memory.model import MIXED_ADAM
 from labkit.models.gpt import preset
@@ -104,13 +105,14 @@ def h200_parts() -> list[dict[str, object]]:
     chip = CHIPS["h200"]
     cfg = preset("gpt2-1.3b")
     b, s, h, a = 24, cfg.block_size, cfg.n_embd, cfg.n_head
+    vocab, padded = cfg.vocab_size, padded_vocab(cfg.vocab_size, 64)
     layer = layer_time(chip, b, s, h, a)
     att = sum(attention_time(chip, b, s, h, a, 1, "sdpa", True))
     planner = {
         "gemm": layer.gemm, "attention": att, "elementwise": layer.elementwise,
         "elementwise, compiled": layer.elementwise, "layer": layer.total,
-        "layer, compiled": layer.total, "head (50,257)": head_time(chip, b, s, h, 50257),
-        "head (50,304)": head_time(chip, b, s, h, 50304),
+        "layer, compiled": layer.total, "head (50,257)": head_time(chip, b, s, h, vocab),
+        "head (50,304)": head_time(chip, b, s, h, padded),
         "optimizer": optimizer_time(chip, cfg.num_params(), MIXED_ADAM),
     }  # fmt: skip
     return [{"term": k, "measured ms": v, "planner ms": planner[k] * 1e3,
