@@ -1,0 +1,49 @@
+"""The notebooks' kernels (root conftest.py): Unix sockets, no TCP ports to race for, and a
+kernel that dies at start is reported with its own stderr, not nbval's bare message."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nbval")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _root_conftest():
+    spec = importlib.util.spec_from_file_location("labkit_root_conftest", ROOT / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+def test_kernel_uses_private_unix_sockets_and_answers():
+    start = _root_conftest()._start_kernel_over_ipc
+    km, kc = start(startup_timeout=60, kernel_name="python3")
+    try:
+        assert km.transport == "ipc"
+        folder = Path(km.ip).parent
+        assert folder.stat().st_uid == os.getuid()
+        assert folder.stat().st_mode & 0o077 == 0, oct(folder.stat().st_mode)
+        reply = kc.execute_interactive("x = 6 * 7", timeout=60)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_kernel_that_dies_at_start_is_reported_with_its_stderr(tmp_path):
+    # A sitecustomize that exits stands in for any crash before the kernel answers.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nsys.stderr.write('crashed-before-kernel-info\\n')\nsys.exit(3)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    start = _root_conftest()._start_kernel_over_ipc
+    with pytest.raises(RuntimeError, match="crashed-before-kernel-info"):
+        start(startup_timeout=30, kernel_name="python3", env=env)
