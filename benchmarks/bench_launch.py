@@ -4,7 +4,9 @@ work, the same run.
 launch and torchrun start 2 gloo ranks that initialise the process group, all-reduce one tensor
 and exit; ``world.run`` sends the same all-reduce to 2 ranks that are already up. Wall time from
 the call to the results, median of interleaved repeats (plus a median of 200 back-to-back
-``world.run`` calls). Also measures the time from a rank raising to the exception in the caller.
+``world.run`` calls). Also the machine's CPU seconds per launch and per torchrun (all cores,
+from /proc/stat: run it on a quiet machine), and the time from a rank raising to the exception
+in the caller.
 
     .venv/bin/python benchmarks/bench_launch.py [--repeats 5] [--world-size 2]
 """
@@ -52,6 +54,16 @@ def fail_on_rank_1() -> None:
     dist.all_reduce(torch.ones(1))
 
 
+CPU: dict[str, list[float]] = {"launch": [], "torchrun": []}
+
+
+def machine_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine so far (every core; Linux's /proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+
+
 def time_world(world: labkit.World) -> float:
     start = time.perf_counter()
     world.run(work, quiet=True)
@@ -59,13 +71,16 @@ def time_world(world: labkit.World) -> float:
 
 
 def time_labkit(world_size: int) -> float:
-    start = time.perf_counter()
+    cpu, start = machine_cpu_seconds(), time.perf_counter()
     labkit.launch(work, world_size=world_size, quiet=True)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    time.sleep(0.5)  # the job's teardown finishes inside the CPU window
+    CPU["launch"].append(machine_cpu_seconds() - cpu)
+    return wall
 
 
 def time_torchrun(script: Path, world_size: int) -> float:
-    start = time.perf_counter()
+    cpu, start = machine_cpu_seconds(), time.perf_counter()
     cmd = [
         sys.executable,
         "-m",
@@ -75,7 +90,10 @@ def time_torchrun(script: Path, world_size: int) -> float:
         str(script),
     ]
     subprocess.run(cmd, check=True, capture_output=True)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    time.sleep(0.5)
+    CPU["torchrun"].append(machine_cpu_seconds() - cpu)
+    return wall
 
 
 def time_failure(world_size: int, log_dir: Path) -> float:
@@ -122,6 +140,8 @@ def main() -> None:
     print(f"  labkit.launch           {o * 1e3:8.1f} ms")
     print(f"  torchrun --standalone   {t * 1e3:8.1f} ms")
     print(f"  launch/torchrun         {o / t:8.2f}x")
+    cl, ct = (statistics.median(CPU[k]) for k in ("launch", "torchrun"))
+    print(f"  machine CPU s per run   launch {cl:.2f}, torchrun {ct:.2f} ({cl / ct:.2f}x)")
     print(f"  world.run/torchrun      {w / t:8.4f}x   (launch/world.run: {o / w:.0f}x)")
     print(f"  starting the World once {world_start * 1e3:8.1f} ms")
     med, worst = statistics.median(failures) * 1000, max(failures) * 1000

@@ -12,6 +12,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.kernels import ipc_kernel_manager
+
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location(
     "make_exercises", ROOT / "tools" / "make_exercises.py"
@@ -112,6 +114,7 @@ async def _execute(path: Path, gate: asyncio.Semaphore) -> nbformat.NotebookNode
     async with gate:
         await NotebookClient(
             nb,
+            km=ipc_kernel_manager("python3"),  # no TCP ports to race tests/' jobs for
             timeout=120,
             kernel_name="python3",
             allow_errors=True,

@@ -1,7 +1,8 @@
 """The agent: a thin shell around torch's ``elastic_launch`` (the engine behind torchrun), run
 as a subprocess of the caller so the elastic agent's signal handlers and environment changes
 never touch a notebook kernel. The caller starts it with ``launcher._AGENT_BOOTSTRAP``, which
-first starts the forkserver the ranks fork from, then calls :func:`_agent_main`.
+first imports torch and forks the forkserver the ranks fork from (``zygote.py``), then calls
+:func:`_agent_main`.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ class LaunchConfig:
     timeout: float = 300.0  # wall clock for the whole job
     collective_timeout: float | None = None  # bound on each collective; None: same as timeout
     max_restarts: int = 0  # elastic restarts of the whole worker group after a failure
-    # forkserver: ranks fork from a fresh single-threaded server that imported torch once.
+    # forkserver: ranks fork from a single-threaded server holding torch, itself forked from
+    # the agent before the agent starts any thread, so torch is imported once (zygote.py).
     # Plain fork copies the elastic agent's threads and can deadlock a rank (seen here: a
     # rank stuck creating its store client); spawn is safe but re-imports torch per rank.
     start_method: str = "forkserver"

@@ -31,15 +31,13 @@ from labkit.launch.report import _dump_stacks, _error_records, _final_failure, _
 from labkit.launch.runs import new_run_dir, prune_old_runs, runs_root
 from labkit.launch.shipping import _dumps, _worker_env
 
-# The agent's first act, before it imports torch: start the forkserver the ranks will fork
-# from, so that its torch import runs in parallel with the agent's own.
+# The agent's first act, while it is single-threaded: import torch once and fork the
+# forkserver the ranks will fork from (zygote.py), instead of a second interpreter importing it.
 _AGENT_BOOTSTRAP = """\
-import multiprocessing, sys
+import sys
 if sys.argv[3] == "forkserver":
-    multiprocessing.set_forkserver_preload(["labkit.launch.rank"])
-    multiprocessing.get_context("forkserver")
-    from multiprocessing import forkserver
-    forkserver.ensure_running()
+    from labkit.launch.zygote import start_forkserver_here
+    start_forkserver_here(["labkit.launch.rank"])
 from labkit.launch.agent import _agent_main
 sys.exit(_agent_main(sys.argv[1], int(sys.argv[2])))
 """
