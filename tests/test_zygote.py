@@ -55,7 +55,18 @@ _PROBE = textwrap.dedent(
     from labkit.launch.zygote import start_forkserver_here
     start_forkserver_here(["json"])
     pid = forkserver._forkserver._forkserver_pid
-    print(" ".join(psutil.Process(pid).cmdline()))
+    # An ordinary start forks, then execs a new interpreter: until the exec its command line
+    # is ours (or briefly empty), so wait for it; a forked server keeps ours for good.
+    start = time.monotonic()
+    while True:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+        waited = time.monotonic() - start
+        if "multiprocessing.forkserver" in cmd or waited > 30:
+            break
+        if sys.argv[1] == "single" and waited > 2 and cmd:
+            break
+        time.sleep(0.05)
+    print(cmd)
     """
 )
 
@@ -68,3 +79,4 @@ def test_a_multithreaded_caller_gets_the_ordinary_forkserver(state):
                          timeout=60, check=True).stdout  # fmt: skip
     ordinary = "multiprocessing.forkserver import main" in out
     assert ordinary == (state == "thread"), out
+    assert ("start_forkserver_here" in out) == (state == "single"), out  # this probe, forked
