@@ -22,6 +22,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,17 +71,21 @@ def time_world(world: labkit.World) -> float:
     return time.perf_counter() - start
 
 
-def time_labkit(world_size: int) -> float:
+def _wall_and_cpu(kind: str, run: Callable[[], object]) -> float:
+    """Wall seconds of ``run()``; the machine's CPU seconds go to ``CPU[kind]``."""
     cpu, start = machine_cpu_seconds(), time.perf_counter()
-    labkit.launch(work, world_size=world_size, quiet=True)
+    run()
     wall = time.perf_counter() - start
     time.sleep(0.5)  # the job's teardown finishes inside the CPU window
-    CPU["launch"].append(machine_cpu_seconds() - cpu)
+    CPU[kind].append(machine_cpu_seconds() - cpu)
     return wall
 
 
+def time_labkit(world_size: int) -> float:
+    return _wall_and_cpu("launch", lambda: labkit.launch(work, world_size=world_size, quiet=True))
+
+
 def time_torchrun(script: Path, world_size: int) -> float:
-    cpu, start = machine_cpu_seconds(), time.perf_counter()
     cmd = [
         sys.executable,
         "-m",
@@ -89,11 +94,7 @@ def time_torchrun(script: Path, world_size: int) -> float:
         f"--nproc-per-node={world_size}",
         str(script),
     ]
-    subprocess.run(cmd, check=True, capture_output=True)
-    wall = time.perf_counter() - start
-    time.sleep(0.5)
-    CPU["torchrun"].append(machine_cpu_seconds() - cpu)
-    return wall
+    return _wall_and_cpu("torchrun", lambda: subprocess.run(cmd, check=True, capture_output=True))
 
 
 def time_failure(world_size: int, log_dir: Path) -> float:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import threading
 from collections.abc import Sequence
 from multiprocessing import forkserver, util
@@ -42,8 +41,6 @@ def _fork_and_run(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int
         server._lock = threading.Lock()  # held by the parent at fork time
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)
-        for fd in passfds:
-            os.set_inheritable(fd, True)
         exec(args[-1], {"__name__": "__labkit_forkserver__"})
         code = 0
     except SystemExit as stop:  # the server's way out once every client has gone
@@ -80,9 +77,3 @@ def start_forkserver_here(preload: list[str]) -> None:
         forkserver.ensure_running()
     finally:
         util.spawnv_passfds = _ORIGINAL
-
-
-if __name__ == "__main__":  # pragma: no cover - a manual check
-    start_forkserver_here(sys.argv[1:])
-    started: Any = forkserver._forkserver
-    print("forkserver pid", started._forkserver_pid)
