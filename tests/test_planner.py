@@ -12,14 +12,13 @@ from labkit.planner import (
     Candidate,
     Cluster,
     achieved_flops_per_gpu,
-    compare_table1,
     megatron_flops_per_iteration,
     plan,
     predict,
     training_days,
 )
 from labkit.planner.flops import A100_PEAK, TABLE1_SEQ, TABLE1_VOCAB, megatron_params
-from labkit.planner.table1 import table1_agreement
+from labkit.planner.table1 import compare_table1, table1_agreement
 
 
 def _cfg(row) -> GPTConfig:

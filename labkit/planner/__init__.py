@@ -21,7 +21,8 @@ Read in this order:
 * ``single_constant.py``  the old one-efficiency time model, kept as the negative control.
 * ``plan.py``     predict each candidate's memory per GPU and step time, rank them.
 * ``budget.py``   the whole run: tokens, 6ND FLOPs, days, GPU-hours, cost, failures and checkpoints.
-* ``table1.py``   the planner against Megatron's Table 1, row by row.
+* ``table1.py``   the planner against Megatron's Table 1, row by row (run it:
+                  ``python -m labkit.planner.table1``; not imported here, so that runs clean).
 * ``published.py`` Korthikanti's Table 5 and other published runs as data, sources beside.
 * ``gpu_checks.py`` this project's H200 measurement against the planner's prediction.
 * ``long_moe.py`` Mixtral 8x7B's shapes and a 128k-context dense model, printed
@@ -46,7 +47,6 @@ from labkit.planner.plan import (
     plan,
     predict,
 )
-from labkit.planner.table1 import compare_table1
 
 __all__ = [
     "CLUSTERS",
@@ -58,7 +58,6 @@ __all__ = [
     "TableRow",
     "achieved_flops_per_gpu",
     "chinchilla_tokens",
-    "compare_table1",
     "enumerate_candidates",
     "megatron_flops_per_iteration",
     "plan",
