@@ -33,6 +33,8 @@ from labkit.models.gpt import GPTConfig
 from labkit.planner.cluster import CLUSTERS
 from labkit.planner.flops import (
     A100_PEAK,
+    MEGATRON_TABLE1,
+    TABLE1_VOCAB,
     megatron_flops_per_iteration,
     selective_hardware_flops,
 )
@@ -217,12 +219,14 @@ def deepspeed_engine_factor() -> float:
     """Megatron-DeepSpeed's pipeline engine's throughput as a fraction of what the planner
     prices for Megatron's (module docstring): (MT-NLG measured / predicted) over (Table 1's
     530B row measured / predicted at its layout); about 0.79."""
-    from labkit.planner.table1 import compare_table1
-
     mtnlg = next(r for r in PUBLISHED_RUNS if r.name == "MT-NLG 530B")
-    row = next(r for r in compare_table1() if r["paper (t, p)"] == mtnlg.layout)
-    megatron = float(str(row["paper TFLOP/s"])) / float(str(row["at paper's (t, p)"]))
-    return mtnlg.reported / _raw(mtnlg)[1] / megatron
+    row = next(r for r in MEGATRON_TABLE1 if (r.tp, r.pp) == mtnlg.layout)
+    megatron = PublishedRun(
+        "Megatron 530B, Table 1", TABLE1_VOCAB, row.heads, row.hidden, row.layers, row.gpus,
+        row.batch, (row.tp, row.pp), {"recompute": "full", "micro_batches": (1, 2, 4, 8)},
+        row.tflops_per_gpu, "tflops96", "Narayanan et al. 2021, Table 1",
+    )  # fmt: skip
+    return (mtnlg.reported / _raw(mtnlg)[1]) / (megatron.reported / _raw(megatron)[1])
 
 
 def published_rows(top: int = 3) -> list[dict[str, object]]:
