@@ -122,6 +122,8 @@ def compare_table1(efficiency: float | None = None) -> list[dict[str, object]]:
         flops = megatron_flops_per_iteration(
             row.batch, TABLE1_SEQ, row.layers, row.hidden, TABLE1_VOCAB
         )
+        ladder = _rule_ladder(cfg, cluster, row.batch)
+        at = [(t, p) for t, p, _ in ladder].index((row.tp, row.pp))
         rows.append(
             {
                 "params (B)": row.params_billion,
@@ -136,6 +138,10 @@ def compare_table1(efficiency: float | None = None) -> list[dict[str, object]]:
                 "B params per GPU": (round(row.params_billion / (row.tp * row.pp), 2),
                                      round(row.params_billion / (best.candidate.tp
                                                                  * best.candidate.pp), 2)),
+                # the rule's view (megatron_rule): GB per GPU at micro-batch 1 of the paper's
+                # layout, and of the rung before it (a smaller t x p, which it did not take)
+                "rule GB: paper's / smaller": (round(ladder[at][2] / 1e9, 1),
+                                               round(ladder[at - 1][2] / 1e9, 1) if at else None),
             }
         )
     return rows
