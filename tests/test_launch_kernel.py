@@ -188,7 +188,8 @@ def test_world_in_a_kernel_keeps_rank_state_across_ranks_cells_and_dies_with_the
         reply, _ = run_cell(kc, "%%ranks\nraise ValueError('cell fails on rank ' + str(rank))")
         assert reply["status"] == "error" and reply["ename"] == "RankFailedError"
         assert "cell fails on rank" in reply["evalue"]
-        assert len(processes_tagged(tag)) == 3  # two ranks and the world's lifeline watchdog
+        assert len(processes_tagged(tag)) == 4  # two ranks, the zygote they were forked from
+        # and the world's lifeline watchdog
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -1,8 +1,7 @@
 """A live world: N ranks that start once and serve calls until closed.
 
-``labkit.launch`` starts N fresh processes per job (seconds, mostly importing torch). A
-``World`` pays that once; afterwards ``world.run(fn, *args)`` costs a few milliseconds, and
-``%%ranks`` cells run on every rank in a namespace that persists from cell to cell::
+``launch`` starts N processes a job (seconds). A ``World`` pays that once; then ``run(fn,
+*args)`` costs milliseconds, and ``%%ranks`` cells run on every rank, state kept between::
 
     world = labkit.World(2)                  # ranks start, the process group is initialised
     world.run(fn, 3)                         # -> [rank 0's result, rank 1's result]
@@ -11,13 +10,14 @@
 
 How it is built::
 
-    caller (kernel)                                         rank r (python -c, world_rank.py)
+    caller (kernel)                           rank r (forked: world_zygote.py; world_rank.py)
     TCPStore server on a free port  <--------------------  joins the default group once
     socketpair per rank:  {"kind": "run", payload} ------>  _run_job(fn, *args)
     print "[rankN]: ..." <---- stdout/stderr pipes <-----  output, then an end-of-call mark
     result / error record <----------------------------  reply
 
-``world_procs.py`` starts, reads and ends the processes; ``world_rank.py`` is the ranks' side.
+``world_procs.py`` starts, reads and ends the processes, forked from one import of torch
+(``world_zygote.py``); ``world_rank.py`` is the ranks' side.
 
 The guarantees are launch's. A rank that raises fails the call with its traceback; the world
 stays usable when every rank got back to its loop, and is otherwise stopped. A call that

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import queue
 import signal
 import socket
@@ -22,12 +23,9 @@ from labkit.launch.launcher import _worker_env
 from labkit.launch.lifeline import Lifeline
 from labkit.launch.report import _stderr_tail
 from labkit.launch.runs import new_run_dir, runs_root
-from labkit.launch.world_rank import END_MARK
-
-_BOOTSTRAP = (
-    "import sys; from labkit.launch.world_rank import rank_main; "
-    "rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])"
-)
+from labkit.launch.world_rank import END_MARK, RANK_BOOTSTRAP
+from labkit.launch.world_zygote import BOOTSTRAP as ZYGOTE_BOOTSTRAP
+from labkit.launch.world_zygote import ForkedRank, read_status
 
 
 @dataclass
@@ -36,9 +34,10 @@ class _Ranks:
 
     run: Path
     lifeline: Lifeline  # the incarnation's process group; kills it when the caller dies
-    procs: list[subprocess.Popen[bytes]]
+    procs: list[Any]  # subprocess.Popen, or world_zygote.ForkedRank (same names)
     conns: list[Connection]
     store: Any
+    zygote: subprocess.Popen[bytes] | None = None  # the ranks' parent, where they are forked
     # (rank, "out"/"err", a line of text, or None for the end mark of the call numbered last)
     lines: queue.Queue[tuple[int, str, str | None, int]] = field(default_factory=queue.Queue)
     tails: list[collections.deque[str]] = field(default_factory=list)
@@ -63,29 +62,72 @@ class _Ranks:
         return ranks
 
     def _start(self, cfg: LaunchConfig, env: dict[str, str]) -> None:
-        for rank in range(cfg.world_size):
+        address = f"{cfg.host}:{self.store.port}"
+        if sys.platform == "linux":  # fork from one import of torch (world_zygote.py)
+            self._fork_all(cfg, env, address)
+            return
+        for rank in range(cfg.world_size):  # elsewhere: one fresh interpreter per rank
             ours, theirs = socket.socketpair()
             argv = [str(theirs.fileno()), str(rank), str(cfg.world_size), str(cfg.backend)]
-            argv += [f"{cfg.host}:{self.store.port}", str(self.run)]
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", _BOOTSTRAP, *argv],
-                    pass_fds=(theirs.fileno(),),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    **self.lifeline.member(),  # the world's group: it dies with its caller
-                )
+            proc = subprocess.Popen(
+                [sys.executable, "-c", RANK_BOOTSTRAP, *argv, address, str(self.run)],
+                pass_fds=(theirs.fileno(),),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                **self.lifeline.member(),  # the world's group: it dies with its caller
             )
             theirs.close()
-            self.conns.append(Connection(ours.detach()))
-            self.tails.append(collections.deque(maxlen=200))
-            for stream, tag in ((self.procs[-1].stdout, "out"), (self.procs[-1].stderr, "err")):
-                self.pumps.append(
-                    threading.Thread(target=_pump, args=(stream, rank, tag, self), daemon=True)
-                )
-                self.pumps[-1].start()
+            self.procs.append(proc)
+            self._serve(rank, ours, proc.stdout, proc.stderr)
+
+    def _fork_all(self, cfg: LaunchConfig, env: dict[str, str], address: str) -> None:
+        """One zygote in the world's group forks every rank; ``self.procs`` are ForkedRanks."""
+        theirs: list[int] = []  # per rank: socket, stdout and stderr write ends (the zygote's)
+        ours: list[tuple[socket.socket, int, int]] = []
+        status_r, status_w = os.pipe()
+        try:
+            for _ in range(cfg.world_size):
+                mine, peer = socket.socketpair()
+                (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+                theirs += [peer.detach(), out_w, err_w]
+                ours.append((mine, out_r, err_r))
+            argv = [str(status_w), str(cfg.world_size), str(cfg.backend), address, str(self.run)]
+            self.zygote = subprocess.Popen(
+                [sys.executable, "-c", ZYGOTE_BOOTSTRAP, *argv, *map(str, theirs)],
+                pass_fds=(status_w, *theirs),
+                stdout=subprocess.DEVNULL,
+                stderr=theirs[2],  # rank 0's: a failed import reads as rank 0's traceback
+                stdin=subprocess.DEVNULL,
+                env=env,
+                **self.lifeline.member(),  # the world's group: it dies with its caller
+            )
+        except BaseException:
+            for fd in (status_r, *theirs, *(x for _, *pipes in ours for x in pipes)):
+                os.close(fd)
+            raise
+        finally:
+            os.close(status_w)
+            for fd in theirs:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.procs = [ForkedRank(rank) for rank in range(cfg.world_size)]
+        status = open(status_r, "rb")  # noqa: SIM115 - closed by read_status at its end
+        args = (status, self.procs, self.zygote)
+        threading.Thread(target=read_status, args=args, daemon=True).start()
+        for rank, (mine, out_r, err_r) in enumerate(ours):  # the pumps close them at the end
+            self._serve(rank, mine, open(out_r, "rb"), open(err_r, "rb"))  # noqa: SIM115
+
+    def _serve(self, rank: int, ours: socket.socket, out: Any, err: Any) -> None:
+        """Keep ``rank``'s end of its socket and pump its output."""
+        self.conns.append(Connection(ours.detach()))
+        self.tails.append(collections.deque(maxlen=200))
+        for stream, tag in ((out, "out"), (err, "err")):
+            self.pumps.append(
+                threading.Thread(target=_pump, args=(stream, rank, tag, self), daemon=True)
+            )
+            self.pumps[-1].start()
 
     def death(self, rank: int) -> dict[str, Any]:
         """How ``rank`` died (its socket closed): exit code, signal, the tail of its stderr."""
@@ -94,11 +136,16 @@ class _Ranks:
             proc.wait(timeout=2)
         time.sleep(0.05)  # let the pump read the last of its stderr
         code = proc.returncode
+        # A rank the zygote never forked: the zygote died first, and its stderr is rank 0's.
+        unborn = isinstance(proc, ForkedRank) and not proc.forked
+        tail = _stderr_tail("".join(self.tails[0 if unborn else rank]), entry="_run_job")
+        if unborn:
+            tail = f"the world's zygote exited with code {code} before forking it:\n{tail}"
         return {
             "rank": rank,
             "exitcode": code,
             "signal": signal.Signals(-code).name if code is not None and code < 0 else "",
-            "stderr": _stderr_tail("".join(self.tails[rank]), entry="_run_job"),
+            "stderr": tail,
         }
 
     def how(self, rank: int) -> str:
@@ -165,8 +212,12 @@ def stop(holder: list[_Ranks | None]) -> None:
     holder[0] = None
     if ranks is None:
         return
-    ranks.lifeline.end(roots=[p.pid for p in ranks.procs if p.returncode is None])
-    for proc in ranks.procs:
+    if ranks.zygote is not None:  # the ranks' parent, our child: its pid cannot be reused
+        roots = [ranks.zygote.pid] if ranks.zygote.poll() is None else []
+    else:
+        roots = [p.pid for p in ranks.procs if p.returncode is None]
+    ranks.lifeline.end(roots=roots)
+    for proc in [*ranks.procs, *([ranks.zygote] if ranks.zygote else [])]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
     for conn in ranks.conns:

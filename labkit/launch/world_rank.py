@@ -33,6 +33,11 @@ import torch.distributed as dist
 
 from labkit.launch.rank import _error_record, _to_cpu
 
+# A rank started as its own interpreter (``python -c``; where ranks are not forked, world_zygote)
+RANK_BOOTSTRAP = (
+    "import sys; from labkit.launch.world_rank import rank_main; "
+    "rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])"
+)
 END_MARK = "\x1flabkit-end "  # + call id + newline, on stdout and stderr after every call
 _FRESH_SEED = torch.initial_seed()  # what torch's default generator starts from in a new process
 
@@ -164,8 +169,9 @@ def _serve(conn: Connection, rank: int, world_size: int) -> None:
 
 
 def rank_main(fd: int, rank: int, world_size: int, backend: str, store: str, run_dir: str) -> None:
-    """Entry point of a world rank, started by ``World`` as ``python -c`` in the world's
-    process group (no death signal: it would follow the thread that created the World)."""
+    """Entry point of a world rank, forked by the world's zygote (or started as ``python -c``),
+    in the world's process group (no death signal: it would follow the thread that created the
+    World)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
