@@ -42,11 +42,14 @@ def zygote_main(argv: list[str]) -> None:
     backend, store, run_dir = argv[3], argv[4], argv[5]
     fds = [int(x) for x in argv[6:]]
     per_rank = [fds[3 * r : 3 * r + 3] for r in range(world_size)]  # (socket, out, err)
+    import torch
+
     from labkit.launch.world_rank import RANK_BOOTSTRAP, rank_main  # torch: what ranks share
 
-    # Forking a process with other threads alive can copy a lock one of them held; then each
-    # rank execs a fresh interpreter instead (the import is paid per rank again, nothing else).
-    threaded = len(os.listdir("/proc/self/task")) > 1
+    # Forking a process with other threads alive can copy a lock one of them held, and CUDA
+    # set up before a fork is unusable after it (NCCL ranks); then each rank execs a fresh
+    # interpreter instead (the import is paid per rank again, nothing else changes).
+    unsafe = len(os.listdir("/proc/self/task")) > 1 or torch.cuda.is_initialized()
     ranks: dict[int, int] = {}  # pid -> rank
     for rank, (sock, out, err) in enumerate(per_rank):
         pid = os.fork()
@@ -58,7 +61,7 @@ def zygote_main(argv: list[str]) -> None:
                 for fd in (status, *fds):
                     if fd != sock:
                         os.close(fd)
-                if threaded:
+                if unsafe:
                     args = [str(sock), str(rank), str(world_size), backend, store, run_dir]
                     os.execv(sys.executable, [sys.executable, "-c", RANK_BOOTSTRAP, *args])
                 rank_main(sock, rank, world_size, backend, store, run_dir)
