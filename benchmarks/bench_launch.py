@@ -5,8 +5,9 @@ launch and torchrun start 2 gloo ranks that initialise the process group, all-re
 and exit; ``world.run`` sends the same all-reduce to 2 ranks that are already up. Wall time from
 the call to the results, median of interleaved repeats (plus a median of 200 back-to-back
 ``world.run`` calls). Also the machine's CPU seconds per launch and per torchrun (all cores,
-from /proc/stat: run it on a quiet machine), and the time from a rank raising to the exception
-in the caller.
+from /proc/stat: run it on a quiet machine), the time from a rank raising to the exception
+in the caller, and a World's own start (start, one call, close), its ranks forked from one
+import of torch (``world_zygote.py``) against each rank its own interpreter.
 
     .venv/bin/python benchmarks/bench_launch.py [--repeats 5] [--world-size 2]
 """
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.launch import RankFailedError
+from labkit.launch import RankFailedError, world_procs
 from labkit.measure.timing import interleaved_times, spread
 
 TORCHRUN_SCRIPT = textwrap.dedent(
@@ -55,7 +56,7 @@ def fail_on_rank_1() -> None:
     dist.all_reduce(torch.ones(1))
 
 
-CPU: dict[str, list[float]] = {"launch": [], "torchrun": []}
+CPU: dict[str, list[float]] = {"launch": [], "torchrun": [], "forked": [], "spawned": []}
 
 
 def machine_cpu_seconds() -> float:
@@ -83,6 +84,20 @@ def _wall_and_cpu(kind: str, run: Callable[[], object]) -> float:
 
 def time_labkit(world_size: int) -> float:
     return _wall_and_cpu("launch", lambda: labkit.launch(work, world_size=world_size, quiet=True))
+
+
+def time_world_start(world_size: int, fork: bool) -> float:
+    """A World's whole life: start ``world_size`` ranks, one call, close."""
+
+    def life() -> None:
+        world_procs.FORK_RANKS = fork
+        try:
+            with labkit.World(world_size, backend="gloo", quiet=True) as world:
+                world.run(work, quiet=True)
+        finally:
+            world_procs.FORK_RANKS = sys.platform == "linux"
+
+    return _wall_and_cpu("forked" if fork else "spawned", life)
 
 
 def time_torchrun(script: Path, world_size: int) -> float:
@@ -128,6 +143,8 @@ def main() -> None:
                 "world.run": lambda: time_world(world),
                 "launch": lambda: time_labkit(n),
                 "torchrun": lambda: time_torchrun(script, n),
+                "forked": lambda: time_world_start(n, True),
+                "spawned": lambda: time_world_start(n, False),
             },
             steps=args.repeats,
             warmup=1,  # warms the page cache for every contender
@@ -145,6 +162,10 @@ def main() -> None:
     print(f"  machine CPU s per run   launch {cl:.2f}, torchrun {ct:.2f} ({cl / ct:.2f}x)")
     print(f"  world.run/torchrun      {w / t:8.4f}x   (launch/world.run: {o / w:.0f}x)")
     print(f"  starting the World once {world_start * 1e3:8.1f} ms")
+    f, p = (statistics.median(times[k]) for k in ("forked", "spawned"))
+    cf, cp = (statistics.median(CPU[k]) for k in ("forked", "spawned"))
+    print(f"  World life (start, 1 call, close): ranks forked {f * 1e3:.0f} ms, {cf:.2f} CPU s;"
+          f" each its own interpreter {p * 1e3:.0f} ms, {cp:.2f} CPU s")
     med, worst = statistics.median(failures) * 1000, max(failures) * 1000
     print(f"  rank raises -> exception in caller: median {med:.0f} ms, max {worst:.0f} ms")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from labkit import World
+from labkit.launch import world_procs
 from labkit.launch.config import LaunchError
 
 pytestmark = [
@@ -43,6 +44,17 @@ def test_ranks_are_forked_from_one_zygote():
     for r in got:
         assert "world_zygote" in r["cmdline"], r  # the zygote's command line: forked
         assert r["sum"] == 3.0, r
+
+
+def test_where_ranks_are_not_forked_each_is_its_own_interpreter(monkeypatch):
+    # the path other platforms take (world_procs.FORK_RANKS), kept working here
+    monkeypatch.setattr(world_procs, "FORK_RANKS", False)
+    with World(2, timeout=60) as world:
+        got = world.run(_origin)
+    for r in got:
+        assert r["ppid"] == os.getpid(), r
+        assert "from labkit.launch.world_rank import rank_main" in r["cmdline"], r
+        assert r["sum"] == 2.0, r
 
 
 def test_a_thread_in_the_zygote_makes_each_rank_a_fresh_interpreter(tmp_path):

@@ -27,6 +27,10 @@ from labkit.launch.world_rank import END_MARK, RANK_BOOTSTRAP
 from labkit.launch.world_zygote import BOOTSTRAP as ZYGOTE_BOOTSTRAP
 from labkit.launch.world_zygote import ForkedRank, read_status
 
+# Fork the ranks from one zygote (Linux: /proc tells the zygote it is single-threaded), or start
+# each as its own interpreter. benchmarks/bench_launch.py and the tests run both.
+FORK_RANKS = sys.platform == "linux"
+
 
 @dataclass
 class _Ranks:
@@ -63,7 +67,7 @@ class _Ranks:
 
     def _start(self, cfg: LaunchConfig, env: dict[str, str]) -> None:
         address = f"{cfg.host}:{self.store.port}"
-        if sys.platform == "linux":  # fork from one import of torch (world_zygote.py)
+        if FORK_RANKS:  # fork from one import of torch (world_zygote.py)
             self._fork_all(cfg, env, address)
             return
         for rank in range(cfg.world_size):  # elsewhere: one fresh interpreter per rank
