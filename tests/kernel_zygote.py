@@ -14,7 +14,7 @@ the zygote forks (the child: a new session, those fds as 0-2, the env and cwd, t
 ipykernel's ``launch_new_instance``), replies with the pid, and when the kernel exits sends
 its exit code (``subprocess``'s convention: -9 for SIGKILL) and closes the connection. The
 zygote dies with the process that started it (PR_SET_PDEATHSIG), and its kernels, whose
-parent poller watches the zygote, follow.
+parent poller watches the zygote (``--IPKernelApp.parent_handle``), follow.
 """
 
 from __future__ import annotations
@@ -91,8 +91,11 @@ def _become_kernel(request: dict[str, Any], fds: list[int]) -> None:
             os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"], JPY_PARENT_PID=str(os.getppid()))
-        sys.argv = ["ipykernel_launcher", *request["argv"]]
+        os.environ.update(request["env"], JPY_PARENT_PID=str(os.getppid()))  # for its children
+        # ipykernel reads JPY_PARENT_PID when imported (in the zygote): name the parent to
+        # watch on the command line, so that the kernel exits when the zygote does
+        sys.argv = ["ipykernel_launcher", *request["argv"],
+                    f"--IPKernelApp.parent_handle={os.getppid()}"]  # fmt: skip
         sys.path[0] = request["cwd"]  # what ``python -m`` puts first
         for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:
             del sys.modules[name]  # imported to serve; a kernel never imported them
@@ -156,8 +159,9 @@ _ZYGOTES: dict[tuple[str, ...], dict[str, Any]] = {}  # interpreter flags -> pat
 
 
 def _zygote(flags: tuple[str, ...]) -> dict[str, Any]:
-    """This process's zygote for interpreters started with ``flags`` (started on first use)."""
-    if flags not in _ZYGOTES:
+    """This process's zygote for interpreters started with ``flags`` (started on first use, and
+    again if it died)."""
+    if flags not in _ZYGOTES or _ZYGOTES[flags]["proc"].poll() is not None:
         folder = tempfile.mkdtemp(prefix="labkit-kernel-zygote-")  # mode 0700, ours alone
         path = os.path.join(folder, "zygote")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -119,7 +119,7 @@ async def _execute(path: Path, gate: asyncio.Semaphore) -> nbformat.NotebookNode
             kernel_name="python3",
             allow_errors=True,
             resources={"metadata": {"path": str(path.parent)}},
-        ).async_execute()
+        ).async_execute(cleanup_kc=True)  # a kernel we passed in is ours to shut down
     return nb
 
 

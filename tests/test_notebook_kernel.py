@@ -81,3 +81,26 @@ def test_kernels_are_forked_from_the_zygote_and_interrupt_and_end_as_spawned_one
         kc.stop_channels()
         km.shutdown_kernel(now=False)
     assert not km.is_alive() and not psutil.pid_exists(pid)
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_kernel_dies_with_its_zygote_and_the_next_kernel_gets_a_new_one():
+    import psutil
+
+    from tests import kernel_zygote
+
+    start = _root_conftest()._start_kernel_over_ipc
+    km, kc = start(startup_timeout=60, kernel_name="python3")
+    kc.stop_channels()
+    kernel = psutil.Process(km.provisioner.pid)
+    zygote = kernel.parent()
+    assert zygote is not None and zygote.pid in {
+        z["proc"].pid for z in kernel_zygote._ZYGOTES.values()}  # fmt: skip
+    zygote.kill()  # as when pytest itself is killed (the zygote's death signal)
+    kernel.wait(timeout=30)  # its parent poller sees the zygote gone
+    km2, kc2 = start(startup_timeout=60, kernel_name="python3")
+    try:
+        assert psutil.Process(km2.provisioner.pid).ppid() != zygote.pid
+    finally:
+        kc2.stop_channels()
+        km2.shutdown_kernel(now=True)
