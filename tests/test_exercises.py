@@ -119,6 +119,7 @@ async def _execute(path: Path, gate: asyncio.Semaphore) -> nbformat.NotebookNode
             kernel_name="python3",
             allow_errors=True,
             resources={"metadata": {"path": str(path.parent)}},
+            shutdown_kernel="immediate",  # its outputs are all we need: no graceful wait
         ).async_execute(cleanup_kc=True)  # a kernel we passed in is ours to shut down
     return nb
 
