@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-from jupyter_client.manager import KernelManager
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_launch import machine_cpu_seconds  # noqa: E402
 from labkit.measure.timing import interleaved_times  # noqa: E402
@@ -27,9 +25,7 @@ CPU: dict[str, list[float]] = {"forked": [], "spawned": []}
 
 
 def kernel_life(kind: str) -> float:
-    km = ipc_kernel_manager("python3")
-    if kind == "spawned":  # the same manager, jupyter_client's own launch
-        km.__class__ = KernelManager
+    km = ipc_kernel_manager("python3", fork=kind == "forked")  # else jupyter_client's launch
     cpu, start = machine_cpu_seconds(), time.perf_counter()
     km.start_kernel()
     kc = km.client()

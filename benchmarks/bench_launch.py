@@ -90,12 +90,12 @@ def time_world_start(world_size: int, fork: bool) -> float:
     """A World's whole life: start ``world_size`` ranks, one call, close."""
 
     def life() -> None:
-        world_procs.FORK_RANKS = fork
+        default, world_procs.FORK_RANKS = world_procs.FORK_RANKS, fork
         try:
             with labkit.World(world_size, backend="gloo", quiet=True) as world:
                 world.run(work, quiet=True)
         finally:
-            world_procs.FORK_RANKS = sys.platform == "linux"
+            world_procs.FORK_RANKS = default
 
     return _wall_and_cpu("forked" if fork else "spawned", life)
 

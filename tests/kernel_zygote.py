@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 from jupyter_client.manager import KernelManager
@@ -190,7 +191,7 @@ def fork_kernel(
         except (FileNotFoundError, ConnectionRefusedError):
             if zygote["proc"].poll() is not None:
                 raise RuntimeError("the kernel zygote exited before serving") from None
-            select.select([], [], [], 0.05)
+            time.sleep(0.05)
     else:
         raise RuntimeError(f"the kernel zygote never listened on {path}")
     socket.send_fds(conn, [json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()], stdio)
@@ -211,14 +212,14 @@ class ZygoteKernelManager(KernelManager):
             return await super()._async_launch_kernel(kernel_cmd, **kw)
         with contextlib.ExitStack() as stack:  # Popen's None (and PIPE) is /dev/null here
             stdio = [
-                stream if isinstance(stream, int) else stream.fileno()
-                if stream not in (None, subprocess.PIPE)
-                else stack.enter_context(open(os.devnull, "r+b")).fileno()
+                stack.enter_context(open(os.devnull, "r+b")).fileno()
+                if stream is None or stream == subprocess.PIPE
+                else stream if isinstance(stream, int) else stream.fileno()
                 for stream in (kw.get("stdin"), kw.get("stdout"), kw.get("stderr"))
             ]  # fmt: skip
             cwd = str(kw.get("cwd") or os.getcwd())
             proc = fork_kernel(flags, kernel_cmd[at + 2 :], env, cwd, stdio)
         provisioner: Any = self.provisioner
         provisioner.process, provisioner.pid, provisioner.pgid = proc, proc.pid, proc.pid
-        provisioner.cwd = kw.get("cwd") or os.getcwd()
+        provisioner.cwd = cwd
         self._reconcile_connection_info(provisioner.connection_info)

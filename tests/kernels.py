@@ -19,11 +19,14 @@ from jupyter_client.manager import KernelManager
 from tests.kernel_zygote import ZygoteKernelManager
 
 
-def ipc_kernel_manager(kernel_name: str = "python3", **kwargs: object) -> KernelManager:
+def ipc_kernel_manager(
+    kernel_name: str = "python3", *, fork: bool = True, **kwargs: object
+) -> KernelManager:
     """A kernel manager (not started) whose kernel listens on Unix sockets in a fresh 0700
-    folder, removed when this interpreter exits; the kernel is forked from the suite's kernel
-    zygote where it can be (``tests/kernel_zygote.py``)."""
+    folder, removed when this interpreter exits; with ``fork``, the kernel is forked from the
+    suite's kernel zygote where it can be (``tests/kernel_zygote.py``)."""
     folder = tempfile.mkdtemp(prefix="labkit-kernel-")  # mode 0700, ours alone
     atexit.register(shutil.rmtree, folder, True)
-    return ZygoteKernelManager(kernel_name=kernel_name, transport="ipc",
-                         ip=os.path.join(folder, "kernel"), **kwargs)  # fmt: skip
+    manager = ZygoteKernelManager if fork else KernelManager
+    return manager(kernel_name=kernel_name, transport="ipc",
+                   ip=os.path.join(folder, "kernel"), **kwargs)  # fmt: skip

@@ -22,11 +22,11 @@ first (killed with the world's group), ranks it never reported take its exit cod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from typing import Any
 
@@ -142,9 +142,8 @@ def read_status(stream: Any, ranks: list[ForkedRank], zygote: subprocess.Popen[b
         else:
             target._set_exit(int(value))
     stream.close()
-    deadline = time.monotonic() + 10
-    while zygote.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # the pipe closed: the zygote is exiting
+    with contextlib.suppress(subprocess.TimeoutExpired):  # the pipe closed: it is exiting
+        zygote.wait(timeout=10)
     code = zygote.returncode if zygote.returncode is not None else -9
     for r in ranks:
         r._set_exit(code)

@@ -19,6 +19,7 @@ published runs and this project's H200 measurement against their predictions.
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from dataclasses import dataclass
 
@@ -60,9 +61,10 @@ def _row_model(row: TableRow) -> tuple[GPTConfig, Cluster]:
     return cfg, CLUSTERS["dgx-a100-80gb"].with_nodes(row.gpus // 8)
 
 
+@functools.cache  # compare_table1's column and rule_budget_window read the same ladders
 def _rule_ladder(
     cfg: GPTConfig, cluster: Cluster, global_batch: int
-) -> list[tuple[int, int, float]]:
+) -> tuple[tuple[int, int, float], ...]:
     """The rule's layout for each model-parallel size M = t x p, smallest M first, with its
     memory per GPU at micro-batch 1: t = the largest t dividing both M and a node's GPUs that
     the heads allow (takeaway #1: a tp group inside one node), p = M / t; sizes with no valid
@@ -75,7 +77,7 @@ def _rule_ladder(
         if ts:
             t = max(ts)
             ladder.append((t, size // t, mem[(t, size // t)]))
-    return ladder
+    return tuple(ladder)
 
 
 def megatron_rule(
