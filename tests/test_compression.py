@@ -80,6 +80,13 @@ def _rank_job(with_mnist: bool) -> dict:
         "full_ring": lambda m: OverlappedDDP(
             m, bucket_cap_mb=tiny, comm=Comm(None, impl="ring"), compression=full(seed=3)
         ),
+        "full_ring_views": lambda m: OverlappedDDP(  # the mean straight into .grad's buckets
+            m,
+            bucket_cap_mb=tiny,
+            comm=Comm(None, impl="ring"),
+            compression=full(seed=3),
+            grad_as_bucket_view=True,
+        ),  # fmt: skip
         "warmup_then_rank1": lambda m: BucketedDDP(
             m, bucket_cap_mb=tiny, compression=PowerSGD(1, start_iter=2, min_compression_rate=1)
         ),
@@ -184,7 +191,9 @@ def _shapes() -> dict[str, tuple[int, ...]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("variant", ["full_flat", "full_overlapped", "full_ring"])
+@pytest.mark.parametrize(
+    "variant", ["full_flat", "full_overlapped", "full_ring", "full_ring_views"]
+)
 def test_powersgd_at_full_rank_equals_single_process_every_step(world, variant):
     w, results, refs = world
     for accum in (1, 3):

@@ -18,7 +18,8 @@ from tests.ranks import run_ranks
 
 STEPS = 4
 ACCUMS = (1, 3)
-OURS = ("naive", "flat", "bucketed", "overlapped", "overlapped_ring", "overlapped_one_bucket")
+OURS = ("naive", "flat", "bucketed", "overlapped", "overlapped_ring", "overlapped_one_bucket",
+        "overlapped_views")  # fmt: skip
 TINY_BUCKET_MB = 0.0005  # ~520 bytes: AwkwardNet (3 KB of gradients) splits into several buckets
 
 
@@ -45,6 +46,7 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
         "overlapped": lambda m: VARIANTS["overlapped"](m, **small),
         "overlapped_ring": with_ring,
         "overlapped_one_bucket": lambda m: VARIANTS["overlapped"](m, bucket_cap_mb=25.0),
+        "overlapped_views": lambda m: VARIANTS["overlapped"](m, grad_as_bucket_view=True, **small),
         "torch_ddp": lambda m: DDP(m, find_unused_parameters=True),
     }
     if with_mutants:
@@ -94,6 +96,21 @@ def _rank_job(accums: tuple[int, ...], with_mutants: bool) -> dict:
                 out["comm_group_mismatch"] = "no error"
             except ValueError as exc:
                 out["comm_group_mismatch"] = str(exc)
+
+    # grad_as_bucket_view: each .grad a view into a bucket after the sync (and only then); with
+    # zero_grad(set_to_none=False) backward accumulates into those views, and training must
+    # equal the copying mode's under the same zeroing.
+    for name in ("overlapped", "overlapped_views"):
+        model = wraps[name](eq.AwkwardNet())
+        x, y, _ = eq.make_batches(1, 1, 12)[0]
+        torch.nn.functional.cross_entropy(model(x, torch.ones(12, dtype=torch.bool)), y).backward()
+        model.finish_gradient_sync()
+        bufs = [b.untyped_storage().data_ptr() for b, _ in model._comm_buffers.values()]
+        grads = [p.grad for p in model.params if p.grad is not None]
+        out[("in_bucket", name)] = [g.untyped_storage().data_ptr() in bufs for g in grads]
+        out[("keep_grads", name)] = eq.train_distributed(
+            wraps[name], steps=STEPS, accum=3, set_to_none=False
+        )[0]
 
     # One recorded step of each bucketed flavour, for the timeline invariants.
     for name in ("bucketed", "overlapped"):
@@ -163,6 +180,20 @@ def test_variant_matches_torch_ddp(world, variant):
         assert eq.first_divergence(refs[accum], theirs) is None  # the reference itself is right
         miss = eq.first_divergence(theirs, ours)
         assert miss is None, f"{variant} vs torch DDP (world_size={w}, accum={accum}): {miss}"
+
+
+@pytest.mark.timeout(150)
+def test_grads_as_bucket_views_are_views_and_survive_zeroing_in_place(world):
+    w, results, _ = world
+    for rank in range(w):
+        views, copies = (
+            results[rank][("in_bucket", n)] for n in ("overlapped_views", "overlapped")
+        )
+        assert views and all(views), f"rank {rank}: a .grad is not a view into its bucket: {views}"
+        assert copies and not any(copies), f"rank {rank}: the copying mode aliased its bucket"
+        kept = [results[rank][("keep_grads", n)] for n in ("overlapped", "overlapped_views")]
+        miss = eq.first_divergence(kept[0], kept[1], reference="the copying mode")
+        assert miss is None, f"views under zero_grad(set_to_none=False), rank {rank}: {miss}"
 
 
 @pytest.mark.timeout(150)

@@ -57,6 +57,7 @@ Awkward parameters, handled by every variant:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -121,7 +122,7 @@ class DataParallel(nn.Module):
         self.require_sync = True
         self._t0 = time.perf_counter()
         self._comm_thread: ThreadPoolExecutor | None = None
-        self._comm_buffers: dict[tuple[int, ...], torch.Tensor] = {}
+        self._comm_buffers: dict[tuple[int, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._buffer_params: dict[int, list[nn.Parameter]] = {}  # id(buffer) -> what it packs
 
         # The trainable parameters, each once, in registration order (~ order of use in
@@ -182,35 +183,42 @@ class DataParallel(nn.Module):
 
     # ---- the gradient buffer --------------------------------------------------------------
 
+    def buffer_of(self, params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The buffer :meth:`pack` fills for ``params`` and each one's ``(numel,)`` slot in it,
+        allocated once and reused: a fresh buffer per step pays page faults."""
+        key = tuple(id(p) for p in params)
+        if key not in self._comm_buffers:
+            n = sum(p.numel() for p in params)
+            buf = torch.empty(n + len(params), dtype=params[0].dtype, device=params[0].device)
+            ends = list(itertools.accumulate(p.numel() for p in params))
+            slots = [buf[end - p.numel() : end] for p, end in zip(params, ends)]
+            self._comm_buffers[key] = (buf, slots)
+            self._buffer_params[id(buf)] = params
+        return self._comm_buffers[key]
+
     def pack(self, params: list[nn.Parameter]) -> torch.Tensor:
         """``[grad_0.flatten(), ..., grad_k.flatten(), used_0, ..., used_k]`` in one buffer.
 
         A missing gradient contributes zeros; its ``used`` flag is 0. After the SUM all-reduce
         the flag counts the ranks that used the parameter.
         """
-        key = tuple(id(p) for p in params)
-        n = sum(p.numel() for p in params)
-        buf = self._comm_buffers.get(key)
-        if buf is None:  # allocated once and reused: a fresh buffer per step pays page faults
-            buf = torch.empty(n + len(params), dtype=params[0].dtype, device=params[0].device)
-            self._comm_buffers[key] = buf
-            self._buffer_params[id(buf)] = params
-        offset = 0
-        for i, p in enumerate(params):
-            view = buf[offset : offset + p.numel()]
+        buf, slots = self.buffer_of(params)
+        n = buf.numel() - len(params)
+        for i, (p, slot) in enumerate(zip(params, slots)):
             if p.grad is None:
-                view.zero_()
+                slot.zero_()
             else:
-                view.copy_(p.grad.reshape(-1))  # (numel,)
+                slot.copy_(p.grad.reshape(-1))  # (numel,)
             buf[n + i] = 0.0 if p.grad is None else 1.0
-            offset += p.numel()
         return buf
 
-    def unpack(self, buf: torch.Tensor, params: list[nn.Parameter]) -> None:
+    def unpack(self, buf: torch.Tensor, params: list[nn.Parameter], as_views: bool = False) -> None:
         """Write the averaged gradients back; a parameter no rank used keeps ``grad=None``.
 
-        ``buf`` holds the SUM over ranks, or, after a compression, already the mean."""
-        divisor = self.world_size if self.compression is None else 1
+        ``buf`` holds the SUM over ranks, or already the mean (after a compression). With
+        ``as_views`` it holds the mean (filled pre-divided, :mod:`~labkit.ddp.overlapped`) and
+        each ``.grad`` becomes a view into it instead of a copy of it."""
+        divisor = self.world_size if self.compression is None and not as_views else 1
         n = buf.numel() - len(params)
         used = buf[n:].tolist()
         offset = 0
@@ -219,6 +227,8 @@ class DataParallel(nn.Module):
             offset += p.numel()
             if used[i] == 0:
                 p.grad = None
+            elif as_views:
+                p.grad = total
             elif p.grad is None:
                 p.grad = total / divisor
             else:  # divide while copying back: one pass over the gradient, not two

@@ -92,13 +92,16 @@ def train_distributed(
     batch: int = 12,
     seed: int = 0,
     group: Any = None,
+    set_to_none: bool = True,
 ) -> tuple[list[Snapshot], list[int]]:
     """Run on every rank: ``wrap(model)`` trained on this rank's shard of each micro-batch.
 
     ``wrap`` builds the data-parallel wrapper (ours, or torch DDP). Returns the parameters
     after each step and, for labkit's wrappers, the number of gradient elements reduced per
     step (tied weights counted once). Micro-batches ``0 .. accum-2`` of a step run inside
-    ``no_sync()``.
+    ``no_sync()``. ``set_to_none=False`` zeroes the ``.grad`` tensors between steps instead of
+    dropping them (backward then accumulates into them in place; a parameter unused in a
+    step then gets a zero gradient and moves with momentum, unlike the reference).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if batch % world:
@@ -122,7 +125,7 @@ def train_distributed(
             finish()
             reduced.append(int(model.elements_reduced))  # type: ignore[arg-type]
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
         snaps.append(snapshot(inner.named_parameters()))
     return snaps, reduced
 

@@ -28,7 +28,15 @@ What we leave out: a bucket holding a parameter unused *on this rank* is only se
 ``finish_gradient_sync``, and the in-order rule holds every later bucket back with it (correct,
 just less overlap). torch DDP's ``find_unused_parameters=True`` walks the autograd graph after
 forward to mark such parameters ready at once; it also rebuilds buckets in the gradient order
-observed in the first iteration, and can make ``.grad`` a view into the bucket to save a copy.
+observed in the first iteration.
+
+``grad_as_bucket_view=True`` is torch DDP's option of the same name, done as torch does it: the
+hook copies each gradient into its slot of the bucket at once, divided by ``world_size`` on the
+way (torch DDP's arithmetic), and points ``.grad`` at that slot, so autograd's own tensor is
+freed during backward, not after the step. After the all-reduce ``.grad`` already holds the
+average: one pass over the gradients a step instead of two, and one copy of them instead of
+two. The price is torch's too: a ``.grad`` kept past the next backward is overwritten by it
+(clone it to keep it). ``benchmarks/bench_ddp.py`` times both modes against torch DDP's both.
 """
 
 from __future__ import annotations
@@ -45,14 +53,27 @@ from labkit.ddp.bucketed import bucket_cap_bytes, make_buckets
 class OverlappedDDP(DataParallel):
     """Buckets of ``bucket_cap_mb`` whose all-reduces start from gradient hooks, in order."""
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 1.0, **options: Any):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float = 1.0,
+        grad_as_bucket_view: bool = False,
+        **options: Any,
+    ):
         """``options``: ``group``, ``comm``, ``record_events``, ``compression``, as for
-        :class:`DataParallel`."""
+        :class:`DataParallel`; ``grad_as_bucket_view``: see the module docstring."""
         cap = bucket_cap_bytes(bucket_cap_mb)  # checked before the broadcast communicates
         super().__init__(module, **options)
         self.bucket_cap_mb = bucket_cap_mb
+        self.grad_as_bucket_view = grad_as_bucket_view
+        # views: the slots hold the mean (a compression computes the mean itself). Passed only
+        # when set, so a subclass overriding unpack(buf, params) still works.
+        self.scale = 1 / self.world_size if self.compression is None else 1.0
+        self._unpack_kw = {"as_views": True} if grad_as_bucket_view else {}
         self.buckets = make_buckets(self.params, cap)  # the same buckets as BucketedDDP's
         self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
+        self.index_in_bucket = {id(p): i for bucket in self.buckets for i, p in enumerate(bucket)}
         self._reset()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -63,6 +84,7 @@ class OverlappedDDP(DataParallel):
         self.ready: set[int] = set()
         self.next_bucket = 0  # buckets launch in this order, on every rank
         self.inflight: list[tuple[int, torch.Tensor, Pending]] = []  # (bucket, buffer, all-reduce)
+        self.filled: set[int] = set()  # views: parameters already in their bucket slot
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Autograd wrote ``p.grad``: launch every bucket that is now complete, in index order."""
@@ -74,12 +96,33 @@ class OverlappedDDP(DataParallel):
                 "finish_gradient_sync(); accumulate micro-batches inside no_sync()"
             )
         self.ready.add(id(p))
+        if self.grad_as_bucket_view:
+            self._fill(p)
         self.missing[self.bucket_of[id(p)]] -= 1
         while self.next_bucket < len(self.buckets) and self.missing[self.next_bucket] == 0:
             self._launch(self.next_bucket)
 
+    def _fill(self, p: nn.Parameter) -> None:
+        """Views: ``p``'s gradient / world_size into its slot, its used flag, ``.grad`` -> slot."""
+        bucket = self.buckets[self.bucket_of[id(p)]]
+        buf, slots = self.buffer_of(bucket)
+        i = self.index_in_bucket[id(p)]
+        if p.grad is not None:  # in place when .grad already is the slot (zeroed, accumulated)
+            torch.mul(p.grad.reshape(-1), self.scale, out=slots[i])  # (numel,)
+            p.grad = slots[i].view_as(p)
+        else:
+            slots[i].zero_()
+        buf[buf.numel() - len(bucket) + i] = 0.0 if p.grad is None else 1.0
+        self.filled.add(id(p))
+
     def _launch(self, k: int) -> None:
-        buf = self.pack(self.buckets[k])  # (sum numel + len(bucket),)
+        if self.grad_as_bucket_view:  # what no hook filled: unused here, or used only in no_sync
+            for p in self.buckets[k]:
+                if id(p) not in self.filled:
+                    self._fill(p)
+            buf = self.buffer_of(self.buckets[k])[0]
+        else:
+            buf = self.pack(self.buckets[k])  # (sum numel + len(bucket),)
         self.inflight.append((k, buf, self.start_allreduce(buf, f"bucket {k}")))
         self.next_bucket += 1
 
@@ -92,8 +135,10 @@ class OverlappedDDP(DataParallel):
             self._launch(self.next_bucket)
         for k, buf, pending in self.inflight:
             pending.wait()
-            self.unpack(buf, self.buckets[k])
+            self.unpack(buf, self.buckets[k], **self._unpack_kw)
         self._reset()
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, buckets={len(self.buckets)}, cap={self.bucket_cap_mb} MB"
+        views = ", grad_as_bucket_view=True" if self.grad_as_bucket_view else ""
+        buckets = f"buckets={len(self.buckets)}, cap={self.bucket_cap_mb} MB"
+        return f"{super().extra_repr()}, {buckets}{views}"
