@@ -680,3 +680,29 @@ def test_floor_takes_the_slowest_rank_per_round_then_medians() -> None:
     assert got.post_s == pytest.approx(1.5e-4) and got.native_s == pytest.approx(2e-4)
     assert got.ratio == pytest.approx(2 / 1.5) and got.spread == 0.0 and got.rounds == 3
     assert "native/post 1.33x" in str(got)
+
+
+def test_median_interval_covers_the_median_as_stated_and_verdict_reads_it() -> None:
+    import random
+
+    from labkit.measure.bench_cells import median_interval, verdict
+
+    # 9 values at 95%: x[1] .. x[7] (1 - 2 P(B <= 1) = 1 - 20/512 = 96.1%); at 99%: x[0] .. x[8]
+    assert median_interval(list(range(9))) == (1, 7)
+    assert median_interval(list(range(9)), level=0.99) == (0, 8)
+    with pytest.raises(ValueError, match="5 values cannot bound the median at 95%"):
+        median_interval([1.0] * 5)
+    # coverage by simulation: ratios spread like a busy machine's (lognormal, 40% wide)
+    rng = random.Random(0)
+    trials, n = 400, 41
+    covered = 0
+    for _ in range(trials):
+        lo, hi = median_interval([rng.lognormvariate(0.0, 0.15) for _ in range(n)])
+        covered += lo <= 1.0 <= hi  # the lognormal's median is exp(0) = 1
+    assert 0.92 <= covered / trials <= 0.995, covered / trials
+    # verdicts: a clear 5% win, a clear 5% loss, and a tie that no run of this size decides
+    base = [rng.lognormvariate(0.0, 0.15) for _ in range(301)]
+    noise = [rng.lognormvariate(0.0, 0.02) for _ in range(301)]
+    assert verdict([b * 0.95 * e for b, e in zip(base, noise)], base).startswith("meets")
+    assert verdict([b * 1.05 * e for b, e in zip(base, noise)], base).startswith("MISSES")
+    assert verdict([b * e for b, e in zip(base, noise)], base).startswith("undecided")

@@ -14,14 +14,21 @@ from the extremes toward their neighbours, so a single wild round still shows; m
 make the deciles robust to it).
 A spread above ``NOISY`` (30%) means the rounds disagree by more than most differences worth
 reporting, and the cell says ``noisy (spread N%)`` instead of a ratio: rerun when quieter.
+
+A wide spread does not make a target undecidable, only expensive: the median of ``n`` paired
+ratios is known to within an interval that narrows as ``1/sqrt(n)`` whatever the spread.
+``median_interval`` is that interval, distribution-free (order statistics: the number of
+ratios below the true median is Binomial(n, 1/2)), and ``verdict`` reads a target from it:
+met, missed, or undecided while the target lies inside the interval.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["NOISY", "cell", "ratio_and_spread"]
+__all__ = ["NOISY", "cell", "median_interval", "ratio_and_spread", "verdict"]
 
 NOISY = 0.30  # a cell whose rounds spread wider than this prints no ratio
 
@@ -47,3 +54,35 @@ def cell(ratio: float, spread: float, width: int = 12, noisy: float = NOISY) -> 
     when the spread exceeds ``noisy``."""
     text = f"noisy (spread {spread:.0%})" if spread > noisy else f"{ratio:.2f}x ({spread:.0%})"
     return f"{text:>{width}}"
+
+
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """A ``level`` confidence interval of the median of ``values``' distribution: sorted
+    ``x[j] .. x[n-1-j]`` for the largest ``j`` with ``1 - 2 P(B <= j) >= level``, where
+    ``B ~ Binomial(n, 1/2)`` counts the values below the median (9 values, 95%: ``x[1] ..
+    x[7]``, coverage 96.1%). Fewer than 6 values cannot reach 95%: refused."""
+    n = len(values)
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    below, j = 0.0, -1  # P(B <= j)
+    while j + 1 < n / 2:
+        nxt = below + math.comb(n, j + 1) / 2**n
+        if 1 - 2 * nxt < level:
+            break
+        below, j = nxt, j + 1
+    if j < 0:
+        raise ValueError(f"{n} values cannot bound the median at {level:.0%} confidence")
+    x = sorted(values)
+    return x[j], x[n - 1 - j]
+
+
+def verdict(ours: Sequence[float], theirs: Sequence[float], target: float = 1.0) -> str:
+    """Whether ``ours`` meets "ours / theirs <= target" (times, paired round by round), from the
+    95% interval of the median per-round ``ours_i / theirs_i``."""
+    lo, hi = median_interval([o / t for o, t in zip(ours, theirs, strict=True)])
+    span = f"95% interval of ours/theirs {lo:.3f}x .. {hi:.3f}x over {len(ours)} pairs"
+    if hi <= target:
+        return f"meets the {target:.1f}x target ({span})"
+    if lo > target:
+        return f"MISSES the {target:.1f}x target ({span})"
+    return f"undecided: {target:.1f}x lies inside the {span}; more steps narrow it"
