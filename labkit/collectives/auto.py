@@ -61,7 +61,23 @@ Where the threshold comes from. :class:`AllReduceChoice` holds it, in bytes per 
   prototype and not kept: the fewest steps did not help with 4 processes on 2 cores.) The
   1 MB threshold stands: recursive doubling wins at 1 MB, the ring from 8 MB, 4 MB is a tie.
   Nothing of ours reaches gloo's native all-reduce from 4 to 16 MB on 4 ranks of this
-  2-core machine, where every extra step is a context switch among 4 busy processes.
+  2-core machine, where every extra step is a context switch among 4 busy processes. Decided
+  on 2026-11-27 (151 rounds; the 95% interval of the median per-round torch time / its time,
+  ``bench_collectives.py --ranks 4 --repeats 151 --algorithms``, ``bench_cells.median_interval``)::
+
+      size     tuned ring   recursive doubling   halving-doubling   naive
+      4 MB     0.65-0.81    0.70-0.83            0.68-0.84          0.71-0.82
+      8 MB     0.82-0.94    0.63-0.68            0.72-0.83          0.69-0.77
+     16 MB     0.90-0.98    0.66-0.72            0.80-0.91          0.67-0.74
+     32 MB     1.01-1.08    0.67-0.72            0.87-0.95          0.73-0.79
+
+  Every interval below 1 is a miss that more rounds would not turn round. On 2 ranks (201
+  rounds) naive reduce-and-send-back was the fastest of ours from 2 MB up and the only one
+  decidedly above 1 at 8 MB (1.03-1.25); recursive doubling straddled 1 except at 4 MB
+  (0.77-0.98), and the tuned ring stayed below 1 up to 8 MB. The loopback here is bound by the
+  CPU's copies, not by a full-duplex link, and at p = 2 all three copy the same bytes, so the
+  one with a single message in flight wins. On a real link (NCCL) it would lose 2x,
+  so it is not chosen.
 * :meth:`AllReduceChoice.from_fit` takes it from a fitted link instead:
   ``cost_model.crossover_bytes(p, alpha, beta)``, capped at ``SMALL_BYTES`` (the reason above).
 * or pass any ``small_bytes`` you measured yourself.
