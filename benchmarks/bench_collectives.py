@@ -19,11 +19,14 @@ labkit's all-reduce (``collectives.auto``: recursive doubling up to ``auto.TWO_R
 ranks and ``auto.SMALL_BYTES`` on more, the tuned ring above) and the tuned ring
 reduce-scatter and all-gather.
 
-Target (2 and 4 ranks): ours/torch >= 1.0x at every size for all-reduce, and >= 1.5x from 16 MB
-up for reduce-scatter and all-gather. Each size's verdict (met, missed, undecided) comes from the
-95% interval of the median per-round time ratio (labkit/measure/bench_cells.py), so a noisy
-cell can still be decided by more --repeats. On a shared machine the small sizes are scheduling
-noise: rerun when the machine is quiet before believing a miss or a win.
+Target (2 and 4 ranks): ours/torch >= 1.0x at every size for all-reduce, and >= 1.5x from 1 MB
+up for reduce-scatter and all-gather (the all-gather's is out of reach below 64 MB here: on 2
+ranks ours is one swap straight into the output, gloo's moves the same bytes and was within
+0.8-1.3x of ours from 1 to 16 MB, falling behind only from 64 MB). Each size's verdict (met,
+missed, undecided) comes from the 95% interval of the median per-round time ratio
+(labkit/measure/bench_cells.py), so a noisy cell can still be decided by more --repeats. On a
+shared machine the small sizes are scheduling noise: rerun when the machine is quiet before
+believing a miss or a win.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from labkit.measure.collectives import (
 )
 from labkit.measure.floor import small_message_floor
 
-TARGETS = {"all_reduce": (1.0, 0), "reduce_scatter": (1.5, 16 << 20), "all_gather": (1.5, 16 << 20)}
+# issue 26's bars: (ours/torch at least, from this many bytes up)
+TARGETS = {"all_reduce": (1.0, 0), "reduce_scatter": (1.5, 1 << 20), "all_gather": (1.5, 1 << 20)}
 
 
 def main() -> None:

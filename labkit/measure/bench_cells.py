@@ -82,7 +82,7 @@ def verdict(ours: Sequence[float], theirs: Sequence[float], target: float = 1.0)
     lo, hi = median_interval([o / t for o, t in zip(ours, theirs, strict=True)])
     span = f"95% interval of ours/theirs {lo:.3f}x .. {hi:.3f}x over {len(ours)} pairs"
     if hi <= target:
-        return f"meets the {target:.1f}x target ({span})"
+        return f"meets ours/theirs <= {target:.2f}x ({span})"
     if lo > target:
-        return f"MISSES the {target:.1f}x target ({span})"
-    return f"undecided: {target:.1f}x lies inside the {span}; more steps narrow it"
+        return f"MISSES ours/theirs <= {target:.2f}x ({span})"
+    return f"undecided: {target:.2f}x lies inside the {span}; more steps narrow it"
