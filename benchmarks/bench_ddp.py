@@ -54,14 +54,10 @@ def _job(bucket_mb: float, steps: int) -> dict:
 def _parts_job(bucket_mb: float, steps: int) -> dict:
     import time
 
-    import torch
-    import torch.distributed as dist
-    from torch.nn import functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from labkit.ddp.overlapped import OverlappedDDP
-    from labkit.ddp.timing import WORKLOADS, _batch
-    from labkit.launch import local_device
+    from labkit.ddp.timing import WORKLOADS, Trainer
 
     clock = {"hooks": 0.0, "pack": 0.0, "unpack": 0.0}
 
@@ -89,34 +85,15 @@ def _parts_job(bucket_mb: float, steps: int) -> dict:
         "torch views": lambda m: DDP(m, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True),
         "ovl. views": lambda m: Timed(m, bucket_cap_mb=bucket_mb, grad_as_bucket_view=True),
     }
-    device = local_device()
     out: dict = {}
-    for workload, (make, batch) in WORKLOADS.items():
-        x, y = _batch(batch, device)
-        runs = {}
-        for name, wrap in wraps.items():
-            torch.manual_seed(0)
-            model = wrap(make().to(device))
-            runs[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
-        for i in range(5 + steps):
-            for name, (model, opt) in runs.items():
-                for key in clock:
-                    clock[key] = 0.0
-                dist.barrier()
-                t0 = time.perf_counter()
-                loss = F.cross_entropy(model(x), y)
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                getattr(model, "finish_gradient_sync", lambda: None)()
-                t3 = time.perf_counter()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                t4 = time.perf_counter()
+    for workload in WORKLOADS:
+        trainers = {name: Trainer(wrap, workload) for name, wrap in wraps.items()}
+        for i in range(5 + steps):  # interleaved step by step; the first 5 are warm-up
+            for name, trainer in trainers.items():
+                clock.update(dict.fromkeys(clock, 0.0))
+                total = trainer.step()
                 if i >= 5:
-                    phases = {"forward": t1 - t0, "backward": t2 - t1, "finish": t3 - t2,
-                              "optimizer": t4 - t3, "step": t4 - t0, **clock}  # fmt: skip
-                    for key, value in phases.items():
+                    for key, value in {**trainer.phases, "step": total, **clock}.items():
                         out.setdefault((workload, name, key), []).append(value)
     return out
 
@@ -158,8 +135,11 @@ def main() -> None:
             if w == workload:
                 print(f"{workload:10s}{name:12s}{t * 1e3:10.1f}{t / ref:12.2f}x")
     # like for like (each mode against torch's same mode), and our views against torch's default
-    pairs = [("overlapped", "torch DDP"), ("ovl. views", "torch views")]
-    pairs.append(("ovl. views", "torch DDP"))
+    pairs = (
+        ("overlapped", "torch DDP"),
+        ("ovl. views", "torch views"),
+        ("ovl. views", "torch DDP"),
+    )
     for (mine, theirs), workload in itertools.product(pairs, ("cnn", "mlp")):
         ours, torch_ = samples[(workload, mine)], samples[(workload, theirs)]
         _, spread = ratio_and_spread(ours, torch_)

@@ -203,14 +203,22 @@ class DataParallel(nn.Module):
         the flag counts the ranks that used the parameter.
         """
         buf, slots = self.buffer_of(params)
-        n = buf.numel() - len(params)
-        for i, (p, slot) in enumerate(zip(params, slots)):
-            if p.grad is None:
-                slot.zero_()
-            else:
-                slot.copy_(p.grad.reshape(-1))  # (numel,)
-            buf[n + i] = 0.0 if p.grad is None else 1.0
+        for i, p in enumerate(params):
+            self.put_grad(buf, slots, i, p)
         return buf
+
+    @staticmethod
+    def put_grad(
+        buf: torch.Tensor, slots: list[torch.Tensor], i: int, p: nn.Parameter, scale: float = 1.0
+    ) -> None:
+        """``p``'s gradient x ``scale`` into ``slots[i]`` (zeros if none), its used flag too."""
+        if p.grad is None:
+            slots[i].zero_()
+        elif scale == 1.0:
+            slots[i].copy_(p.grad.reshape(-1))  # (numel,)
+        else:  # in place when .grad already is the slot (overlapped's views, accumulated into)
+            torch.mul(p.grad.reshape(-1), scale, out=slots[i])
+        buf[buf.numel() - len(slots) + i] = 0.0 if p.grad is None else 1.0
 
     def unpack(self, buf: torch.Tensor, params: list[nn.Parameter], as_views: bool = False) -> None:
         """Write the averaged gradients back; a parameter no rank used keeps ``grad=None``.

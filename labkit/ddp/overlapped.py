@@ -74,6 +74,8 @@ class OverlappedDDP(DataParallel):
         self.buckets = make_buckets(self.params, cap)  # the same buckets as BucketedDDP's
         self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self.index_in_bucket = {id(p): i for bucket in self.buckets for i, p in enumerate(bucket)}
+        # views: each bucket's buffer and slots, looked up once here rather than in every hook
+        self.views = [self.buffer_of(b) for b in self.buckets] if grad_as_bucket_view else []
         self._reset()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -104,15 +106,11 @@ class OverlappedDDP(DataParallel):
 
     def _fill(self, p: nn.Parameter) -> None:
         """Views: ``p``'s gradient / world_size into its slot, its used flag, ``.grad`` -> slot."""
-        bucket = self.buckets[self.bucket_of[id(p)]]
-        buf, slots = self.buffer_of(bucket)
+        buf, slots = self.views[self.bucket_of[id(p)]]
         i = self.index_in_bucket[id(p)]
-        if p.grad is not None:  # in place when .grad already is the slot (zeroed, accumulated)
-            torch.mul(p.grad.reshape(-1), self.scale, out=slots[i])  # (numel,)
+        self.put_grad(buf, slots, i, p, self.scale)
+        if p.grad is not None:
             p.grad = slots[i].view_as(p)
-        else:
-            slots[i].zero_()
-        buf[buf.numel() - len(bucket) + i] = 0.0 if p.grad is None else 1.0
         self.filled.add(id(p))
 
     def _launch(self, k: int) -> None:
@@ -120,7 +118,7 @@ class OverlappedDDP(DataParallel):
             for p in self.buckets[k]:
                 if id(p) not in self.filled:
                     self._fill(p)
-            buf = self.buffer_of(self.buckets[k])[0]
+            buf = self.views[k][0]
         else:
             buf = self.pack(self.buckets[k])  # (sum numel + len(bucket),)
         self.inflight.append((k, buf, self.start_allreduce(buf, f"bucket {k}")))

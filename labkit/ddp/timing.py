@@ -47,8 +47,10 @@ def _batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(device), torch.randint(0, 10, (n,), generator=g).to(device)
 
 
-class _Trainer:
-    """One model under one wrapper, ready to take timed steps on a fixed batch."""
+class Trainer:
+    """One model under one wrapper, ready to take timed steps on a fixed batch; ``phases`` holds
+    the last step's parts in seconds (forward, backward, finish: the wrapper's
+    ``finish_gradient_sync``, optimizer: step and zero_grad)."""
 
     def __init__(self, wrap: Wrap, workload: str):
         make, batch = WORKLOADS[workload]
@@ -59,22 +61,30 @@ class _Trainer:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.x, self.y = _batch(batch, device)
         self.finish = getattr(self.model, "finish_gradient_sync", lambda: None)
+        self.phases: dict[str, float] = {}
 
     def step(self) -> float:
         dist.barrier()
-        t = time.perf_counter()
-        F.cross_entropy(self.model(self.x), self.y).backward()
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(self.model(self.x), self.y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         self.finish()
+        t3 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t
+        t4 = time.perf_counter()
+        self.phases = {"forward": t1 - t0, "backward": t2 - t1, "finish": t3 - t2,
+                       "optimizer": t4 - t3}  # fmt: skip
+        return t4 - t0
 
 
 def step_time(wrap: Wrap, workload: str = "mlp", steps: int = 10, warmup: int = 3) -> float:
     """Median seconds per training step of ``wrap(model)`` on this rank (call on every rank)."""
-    trainer = _Trainer(wrap, workload)
+    trainer = Trainer(wrap, workload)
     times = [trainer.step() for _ in range(warmup + steps)]
     return statistics.median(times[warmup:])
 
@@ -94,7 +104,7 @@ def step_time_samples(
     """
     out = {}
     for workload in workloads:
-        trainers = {name: _Trainer(wrap, workload) for name, wrap in wraps.items()}
+        trainers = {name: Trainer(wrap, workload) for name, wrap in wraps.items()}
         samples: dict[str, list[float]] = {name: [] for name in wraps}
         for i in range(warmup + steps):
             for name, trainer in trainers.items():
