@@ -75,6 +75,7 @@ WRAPPERS = {
     "flat": FlatDDP,
     "bucketed": BucketedDDP,
     "overlapped": OverlappedDDP,
+    "overlapped+views": partial(OverlappedDDP, grad_as_bucket_view=True),
 }
 BUCKET_MB = 0.004  # ~4 KB: several buckets even for the tiny GPT
 SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zbh1": "zb-h1"}
@@ -154,7 +155,7 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     if combo.dp in WRAPPERS:
         comm = Comm(dense, combo.dp_comm)
         extra: dict[str, Any] = {}
-        if combo.dp in ("bucketed", "overlapped"):
+        if combo.dp.startswith(("bucketed", "overlapped")):
             extra["bucket_cap_mb"] = BUCKET_MB
         wrapper: Any = WRAPPERS[combo.dp]
         with hidden_experts(stages) if combo.ep == "2" else contextlib.nullcontext():

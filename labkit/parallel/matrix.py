@@ -38,7 +38,9 @@ __all__ = [
 
 # Values in order of cost: the first is the cheapest (the greedy fill prefers it on a tie).
 DIMENSIONS: dict[str, tuple[object, ...]] = {
-    "dp": ("naive", "flat", "bucketed", "overlapped", "zero1", "zero2", "zero3", "zero3+prefetch"),
+    # "overlapped+views": OverlappedDDP(grad_as_bucket_view=True), .grad a view into its bucket
+    "dp": ("naive", "flat", "bucketed", "overlapped", "overlapped+views", "zero1", "zero2",
+           "zero3", "zero3+prefetch"),  # fmt: skip
     "dp_comm": ("torch", "ring"),  # the collectives of dp: torch's or labkit's ring
     "tp_comm": ("torch", "ring"),  # the collectives of tp (no-op at tp=1)
     "tp": ("1", "2", "2+sp"),  # tensor parallel degree, "+sp": sequence parallelism
