@@ -17,9 +17,10 @@ The backward needs only the saved ``L`` (FlashAttention-2's recomputation, Dao 2
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = scale * dS K,   dK = scale * dS^T Q
 
 ``D`` is the same for every block (it uses the final ``O``), so blocks are independent.
-Everything here runs in float32 (16-bit inputs are upcast), the accumulation precision of
-flash kernels. A row whose keys are all masked has ``L = -inf`` and output 0; the merge keeps
-it -inf-safe (no NaN from ``-inf - -inf``).
+Everything here runs in the accumulation dtype :func:`acc_dtype` (float32, the precision of
+flash kernels: 16-bit inputs are upcast; float64 stays float64, as the fused kernel's own
+float64 path expects a float64 LSE). A row whose keys are all masked has ``L = -inf`` and
+output 0; the merge keeps it -inf-safe (no NaN from ``-inf - -inf``).
 
 Shapes: ``q`` (b, h, n_q, d), ``k``/``v`` (b, h, n_k, d), ``L`` (b, h, n_q).
 """
@@ -31,6 +32,7 @@ import math
 import torch
 
 __all__ = [
+    "acc_dtype",
     "block_backward",
     "block_forward",
     "blockwise_attention",
@@ -47,6 +49,11 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores, outputs, LSE and gradients are kept in: float32, or float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def causal_mask(n: int, device: torch.device | None = None) -> torch.Tensor:
     """(n, n) bool, True where key position <= query position (a diagonal block)."""
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
@@ -55,18 +62,19 @@ def causal_mask(n: int, device: torch.device | None = None) -> torch.Tensor:
 def _scores(
     q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (b, h, n_q, n_k)
+    acc = acc_dtype(q.dtype)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (b, h, n_q, n_k)
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block: ``(O_i, L_i)`` in float32; ``mask`` (n_q, n_k) True = attend."""
+    """One block: ``(O_i, L_i)`` in :func:`acc_dtype`; ``mask`` (n_q, n_k) True = attend."""
     s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)  # (b, h, n_q)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return torch.matmul(p, v.float()), lse
+    return torch.matmul(p, v.to(s.dtype)), lse
 
 
 def merge(
@@ -90,15 +98,16 @@ def block_backward(
     scale: float,
     mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's ``(dQ_i, dK_i, dV_i)`` in float32 from the *final* ``lse`` and
+    """One block's ``(dQ_i, dK_i, dV_i)`` in :func:`acc_dtype` from the *final* ``lse`` and
     ``delta = rowsum(dO * O)`` (module docstring); nothing else is saved."""
     p = torch.exp(_scores(q, k, scale, mask) - _finite(lse).unsqueeze(-1))  # (b, h, n_q, n_k)
-    do = dout.float()
+    acc = p.dtype
+    do = dout.to(acc)
     dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, v.float().transpose(-1, -2))
+    dp = torch.matmul(do, v.to(acc).transpose(-1, -2))
     ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    dq = torch.matmul(ds, k.to(acc)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
     return dq, dk, dv
 
 
@@ -117,8 +126,9 @@ def blockwise_attention(
     if block < 1:
         raise ValueError(f"block={block} must be >= 1")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     rows = torch.arange(q.shape[-2], device=q.device).unsqueeze(
         1
     )  # top-left aligned, as torch's SDPA
@@ -144,12 +154,12 @@ def tile_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diag: bool, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One (n, n) tile: :func:`block_forward`, or the fused kernel (``diag``: a causal
-    tile on the diagonal, top-left aligned). Output float32, LSE float32."""
+    tile on the diagonal, top-left aligned). Output and LSE in :func:`acc_dtype`."""
     if fused:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, diag, attn_mask=None, scale=scale
         )
-        return o.float(), lse
+        return o.to(acc_dtype(q.dtype)), lse
     return block_forward(q, k, v, scale, causal_mask(q.shape[-2], q.device) if diag else None)
 
 
@@ -165,12 +175,14 @@ def tile_backward(
     diag: bool,
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One tile's float32 (dQ, dK, dV) from the global ``out`` and ``lse`` (the fused kernel
-    recomputes ``delta`` from ``out``; the reference takes it)."""
+    """One tile's (dQ, dK, dV) in :func:`acc_dtype` from the global ``out`` and ``lse`` (the
+    fused kernel recomputes ``delta`` from ``out``; the reference takes it). The fused kernel
+    wants the LSE in its own accumulation dtype: float32, float64 for float64 inputs."""
     if fused:
+        acc = acc_dtype(q.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, diag, attn_mask=None, scale=scale
+            dout, q, k, v, out, lse.to(acc), 0.0, diag, attn_mask=None, scale=scale
         )
-        return dq.float(), dk.float(), dv.float()
+        return dq.to(acc), dk.to(acc), dv.to(acc)
     mask = causal_mask(q.shape[-2], q.device) if diag else None
     return block_backward(q, k, v, dout, lse, delta, scale, mask)
