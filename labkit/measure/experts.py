@@ -118,8 +118,12 @@ def skewed_steps(
     impl: str = "labkit",
 ) -> list[dict[str, Any]]:
     """On each rank of the world (= the ep group): per skew, the rank-level load imbalance,
-    the median forward+backward time of the expert-parallel layer, and the rows sent against
-    the uniform formula. Dropless, so every routed row travels."""
+    the median forward+backward time of the expert-parallel layer, and the bytes sent per
+    forward (dispatch + combine) against two predictions: ``routed bytes``, the rows this
+    rank's router sends off-rank plus the rows the other ranks' routers send here (counted
+    from the routers alone, before any exchange: exact for any routing), and ``formula
+    bytes``, the uniform formula ``2 k n (ep-1)/ep d``, which only perfectly even routing
+    meets. Dropless, so every routed row travels."""
     rank, p = dist.get_rank(), dist.get_world_size()
     layers, inputs = {}, {}
     for skew in skews:
@@ -137,6 +141,12 @@ def skewed_steps(
     rows = []
     for skew in skews:
         moe = layers[skew]
+        with torch.no_grad():  # where this rank's router sends each (token, choice): by owner
+            owner = moe.router(inputs[skew]).experts.flatten() // (n_experts // p)  # (n k,)
+        to_rank = torch.bincount(owner, minlength=p).float()  # (p,) rows for each rank
+        every = [torch.zeros(p) for _ in range(p)]
+        dist.all_gather(every, to_rank)  # every[i][j]: rows rank i routes to rank j
+        routed = sum(float(every[rank][j] + every[j][rank]) for j in range(p) if j != rank)
         received = torch.tensor([float(moe.received_rows[-1])])
         loads = [torch.zeros(1) for _ in range(p)]
         dist.all_gather(loads, received)
@@ -146,6 +156,7 @@ def skewed_steps(
             "rank imbalance": imbalance([float(t) for t in loads]),
             "step ms": spread(times[str(skew)]).median * 1e3,
             "a2a bytes": sent * d * 4,
+            "routed bytes": routed * d * 4,
             "formula bytes": 2 * all_to_all_bytes(tokens, d, top_k, p, itemsize=4),
         })  # fmt: skip
     return rows
