@@ -61,6 +61,7 @@ from labkit.planner.space import (
 )
 from labkit.planner.stages import stage_cut
 from labkit.planner.steptime import step_time
+from labkit.planner.tp_overlap import decomposed_tp_comm
 
 __all__ = [
     "MEGATRON_MIXED", "WORKSPACE_BYTES", "ZERO_STAGES", "Candidate", "Prediction",
@@ -89,7 +90,7 @@ def predict(
     dp_collective: str = "ring",
     attention: str | None = None,
     dp_overlap: bool = False,
-    tp_overlap: bool = False,
+    tp_overlap: bool | str = False,
     moe: MoESpec | None = None,
 ) -> Prediction:
     """Memory per GPU, seconds per iteration and MFU of one candidate (module docstring).
@@ -102,10 +103,13 @@ def predict(
     models assume ("sdpa" or "explicit"; default the model's, ``cfg.attention``).
     ``efficiency``: None, the card's roofline; a float, the old single constant.
     ``dp_overlap`` / ``tp_overlap``: hide dp traffic behind backward (bucketed), tp traffic
-    behind the GEMMs (:mod:`labkit.planner.steptime`). ``moe``: the model's MoE layers (needed
-    for ``ep > 1``; the roofline only)."""
+    behind the GEMMs (:mod:`labkit.planner.steptime`); ``tp_overlap="decomposed"``: each SP
+    collective in ring steps under chunks of its GEMM (:mod:`labkit.planner.tp_overlap`).
+    ``moe``: the model's MoE layers (needed for ``ep > 1``; the roofline only)."""
     if dp_collective not in ("ring", "hierarchical"):
         raise ValueError(f"dp_collective={dp_collective!r}: expected 'ring' or 'hierarchical'")
+    if tp_overlap not in (False, True, "decomposed"):
+        raise ValueError(f"tp_overlap={tp_overlap!r}: expected False, True or 'decomposed'")
     cand.degrees.check_world_size(cluster.world_size)
     cand.degrees.check_model(hidden=cfg.n_embd, heads=cfg.n_head, seq=cfg.block_size)
     if cand.ep > 1 and (moe is None or moe.n_experts % cand.ep):
@@ -137,8 +141,11 @@ def predict(
         time = step_time(cfg, cluster, cand, m, params_per_gpu=psi, precision=precision,
                          attention=attention, order=order, bubble=bubble,
                          dp_collective=dp_collective,
-                         dp_overlap=dp_overlap, tp_overlap=tp_overlap, moe=moe,
+                         dp_overlap=dp_overlap, tp_overlap=tp_overlap is True, moe=moe,
                          expert_params=mem.expert_params_per_gpu).terms  # fmt: skip
+        if tp_overlap == "decomposed":  # re-price the blocks' tp term (tp_overlap.py)
+            tp = decomposed_tp_comm(time["tp_comm"], L, h, s // cand.cp, cluster, cand, m)
+            time = {**time, "tp_comm": tp}
     else:  # the old single constant, kept as the negative control (single_constant.py)
         time = single_constant_time(cfg, cluster, cand, m, psi=psi, efficiency=efficiency,
                                     bubble=bubble, order=order,
@@ -169,7 +176,7 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
         raise ValueError(f"global batch must be >= 1, got {global_batch}")
     efficiency = kwargs.pop("efficiency", None)  # None: the roofline (steptime.py)
     dp_overlap = bool(kwargs.pop("dp_overlap", False))  # dp reduce behind backward (steptime.py)
-    tp_overlap = bool(kwargs.pop("tp_overlap", False))
+    tp_overlap = kwargs.pop("tp_overlap", False)  # False, True or "decomposed"
     precision = kwargs.pop("precision", MEGATRON_MIXED)
     bubble = str(kwargs.pop("bubble", "formula"))
     order = str(kwargs.pop("order", "tp-dp-pp"))
@@ -190,7 +197,8 @@ def plan(cfg: GPTConfig, cluster: Cluster, global_batch: int, **kwargs: object) 
             order=order,
             dp_collective=dp_collective,
             dp_overlap=dp_overlap,
-            tp_overlap=tp_overlap,
+            # "decomposed" cuts SP's collectives: candidates without SP keep theirs exposed
+            tp_overlap=tp_overlap if tp_overlap != "decomposed" or c.sp else False,  # type: ignore[arg-type]
             moe=moe,  # type: ignore[arg-type]
         )
         for c in cands
