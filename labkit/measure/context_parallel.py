@@ -42,6 +42,7 @@ __all__ = [
     "overlap_fraction",
     "ring_measurements",
     "saved_bytes",
+    "split_rounds",
 ]
 
 
@@ -94,12 +95,42 @@ def _comm_only(kv: torch.Tensor, group: Any) -> None:
         kv = nxt
 
 
+def split_rounds(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, rounds: int
+) -> dict[str, list[float]]:
+    """This rank's ring-forward compute (no transfers) under the contiguous and the zigzag
+    split, ``rounds`` interleaved rounds after 2 of warm-up, each call between barriers: a
+    round lasts as long as its slowest rank, as a real ring step does. ``q, k, v``: this
+    rank's shard (b, h, s/cp, d)."""
+    import torch.distributed as dist
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+
+    def one(scheme: str) -> Callable[[], object]:
+        return lambda: _compute_only(q, k, v, cp, rank, causal, scheme)
+
+    schemes = {sch: one(sch) for sch in ("contiguous", "zigzag")}
+    return interleaved_times(schemes, rounds, warmup=2, sync=dist.barrier)
+
+
 def ring_measurements(
-    b: int, h: int, s: int, d: int, causal: bool = True, steps: int = 7, seed: int = 0
+    b: int,
+    h: int,
+    s: int,
+    d: int,
+    causal: bool = True,
+    steps: int = 7,
+    seed: int = 0,
+    scheme_steps: int | None = None,
 ) -> dict[str, Any]:
     """On every rank of WORLD (cp = world size): this rank's saved bytes, bytes per step,
     forward seconds (medians) of the four overlap contenders, per-scheme compute seconds, and
-    one traced forward + backward (events relative to a common barrier)."""
+    one traced forward + backward (events relative to a common barrier).
+
+    The schemes (contiguous and zigzag) run ``scheme_steps`` interleaved rounds (default
+    ``steps``), each call between barriers, so a round's time on any rank is the time of
+    the slowest rank, as in a real ring step: ``scheme_rounds`` holds them, paired round by
+    round for :func:`labkit.measure.bench_cells.verdict`, ``scheme_seconds`` their medians."""
     import torch.distributed as dist
 
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -118,11 +149,8 @@ def ring_measurements(
     }
     times = interleaved_times(fns, steps, warmup=2, sync=barrier)
     med = {n: statistics.median(ts) for n, ts in times.items()}
-    schemes = {
-        sch: (lambda sch=sch: _compute_only(qd, kd, vd, cp, rank, causal, sch))
-        for sch in ("contiguous", "zigzag")
-    }
-    per_scheme = {n: statistics.median(ts) for n, ts in interleaved_times(schemes, steps).items()}
+    rounds = split_rounds(qd, kd, vd, causal, scheme_steps or steps)
+    per_scheme = {n: statistics.median(ts) for n, ts in rounds.items()}
     traced = RingStats()
     qt, kt, vt = (t.detach().clone().requires_grad_() for t in (q, k, v))
     barrier()
@@ -135,6 +163,7 @@ def ring_measurements(
         "tiles": traced.tiles,
         "seconds": med,
         "scheme_seconds": per_scheme,
+        "scheme_rounds": rounds,
         "events": events,
     }
 
