@@ -20,6 +20,7 @@ class Lesson:
     code: tuple[str, ...]  # paths under labkit/ it teaches
     exercise: str = ""  # the exercise notebook's stem, "" when the lesson has none
     exercise_task: str = ""  # what the exercise asks
+    rehearses: tuple[str, ...] = ()  # interview ids it measures (notebook 14's last column)
 
     @property
     def number(self) -> int:
@@ -42,6 +43,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("data/mnist.py", "data/sampler.py", "labs/mnist.py"),
         "",
         "",
+        rehearses=("S1", "S2", "A3", "K1", "K5", "P2"),
     ),
     Lesson(
         "02_collectives",
@@ -49,6 +51,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("collectives/",),
         "02_ring",
         "ring reduce-scatter and all-gather",
+        rehearses=("A4", "K6"),
     ),
     Lesson(
         "03_ddp_from_scratch",
@@ -56,6 +59,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("ddp/",),
         "03_ddp_hooks",
         "bucketed overlapped hooks",
+        rehearses=("S2", "S4", "A4"),
     ),
     Lesson(
         "04_memory_precision_checkpoints",
@@ -64,6 +68,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("precision/", "activation_checkpoint/", "checkpoint/"),
         "04_loss_scaler",
         "the scaler's update rule",
+        rehearses=("S3", "K3", "K4", "K10", "K11"),
     ),
     Lesson(
         "05_zero",
@@ -72,6 +77,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("zero/", "memory/"),
         "05_zero1",
         "the ZeRO-1 step",
+        rehearses=("S3", "S7", "A2", "K2", "K3", "P3"),
     ),
     Lesson(
         "06_tensor_parallel",
@@ -81,6 +87,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("parallel/", "tensor_parallel/"),
         "06_tp_layers",
         "column- and row-parallel linear",
+        rehearses=("S5", "K2"),
     ),
     Lesson(
         "07_pipeline_parallel",
@@ -90,6 +97,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("pipeline/",),
         "07_1f1b",
         "the 1F1B schedule",
+        rehearses=("S5", "K2", "P3"),
     ),
     Lesson(
         "08_3d_100b_on_64_gpus",
@@ -99,6 +107,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("parallel/", "planner/", "labs/threed.py"),
         "08_plan_100b",
         "choose a layout, estimate its memory",
+        rehearses=("S5", "S6"),
     ),
     Lesson(
         "09_bert_on_4_nodes",
@@ -115,6 +124,7 @@ LESSONS: tuple[Lesson, ...] = (
         ),
         "",
         "",
+        rehearses=("S4", "A1", "A4", "K6"),
     ),
     Lesson(
         "10_10b_mixed_interconnects",
@@ -125,6 +135,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("planner/links.py", "labs/mixed_links.py", "cluster/"),
         "",
         "",
+        rehearses=("S5", "K2", "P3"),
     ),
     Lesson(
         "11_gpt2_1p3b_capstone",
@@ -133,6 +144,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("memory/estimate.py", "measure/capstone.py", "viz/"),
         "",
         "",
+        rehearses=("S3",),
     ),
     Lesson(
         "12_diagnosis_drills",
@@ -141,6 +153,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("profiling/", "labs/drills.py"),
         "12_diagnosis",
         "name the fault",
+        rehearses=("S8", "A1", "A4", "K7", "K8", "K12", "P1"),
     ),
     Lesson(
         "13_interview_walkthroughs",
@@ -166,6 +179,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("context_parallel/", "measure/context_parallel.py"),
         "15_online_softmax",
         "merge two attention blocks",
+        rehearses=("K13",),
     ),
     Lesson(
         "16_experts",
@@ -176,6 +190,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("experts/", "collectives/all_to_all.py", "models/moe.py"),
         "16_all_to_all_dispatch",
         "route tokens to their experts",
+        rehearses=("K14",),
     ),
     Lesson(
         "17_node_loss",
@@ -185,6 +200,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("labs/node_loss.py", "checkpoint/", "cluster/"),
         "",
         "",
+        rehearses=("S6", "K11"),
     ),
 )
 

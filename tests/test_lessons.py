@@ -4,11 +4,13 @@ that exists (00 once listed lessons 01-05 only while the README listed all of th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from labkit.interview.topics import topic_ids
 from labkit.lessons import LESSONS, lesson, markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,3 +47,32 @@ def test_the_welcome_notebook_prints_the_list_instead_of_typing_it():
     assert "markdown_table(" in code
     typed = [x.name for x in LESSONS if f"`{x.name}`" in text]
     assert not typed, f"00 types lessons by hand: {typed}"
+
+
+def _index_lessons(text: str) -> dict[str, set[int]]:
+    """Notebook 14's last column, per id: the lesson numbers it cites (links' targets and
+    the walkthroughs, 13, left out)."""
+    out: dict[str, set[int]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\|\s*([SAKP]\d+)\s*\|[^|]*\|[^|]*\|(.*)\|$", line)
+        if m:
+            cell = re.sub(r"\(\d\d_[^)]*\)", "", m[2])  # link targets repeat the number
+            found = {int(x) for x in re.findall(r"(?<![\d§.])\b(\d{2})\b(?![\d.])", cell)}
+            out[m[1]] = found - {13}
+    return out
+
+
+def test_the_interview_index_cites_every_lesson_that_rehearses_an_id():
+    # 14 listed S3 under 04 and 05 but not the capstone 11, and K11 under 04 but not 17
+    nb = nbformat.read(ROOT / "notebooks" / "14_interview_index.ipynb", as_version=4)
+    text = nb.cells[0].source
+    want: dict[str, set[int]] = {}
+    for x in LESSONS:
+        for tid in x.rehearses:
+            want.setdefault(tid, set()).add(x.number)
+    assert set(want) <= set(topic_ids())
+    got = _index_lessons(text)
+    assert {k: v for k, v in got.items() if v} == want
+    # negative control: the index as it was (S3 without 11) is caught
+    old = text.replace("; [notebook 11](11_gpt2_1p3b_capstone.ipynb)", "")
+    assert _index_lessons(old)["S3"] != want["S3"]
