@@ -63,9 +63,9 @@ def test_plan_decomposes_only_where_sequence_parallelism_is_on() -> None:
     from labkit.planner import plan
 
     cfg, cl = preset("gpt2-1.3b"), CLUSTERS["dgx-h100-80gb"].with_nodes(1)
-    plain = {p.candidate: p for p in plan(cfg, cl, 64)}
+    plain = {p.candidate: p for p in plan(cfg, cl, 64, sp=(False, True))}
     assert any(c.sp and c.tp > 1 for c in plain) and any(not c.sp and c.tp > 1 for c in plain)
-    for p in plan(cfg, cl, 64, tp_overlap="decomposed"):
+    for p in plan(cfg, cl, 64, sp=(False, True), tp_overlap="decomposed"):
         base = plain[p.candidate].time["tp_comm"]
         if p.candidate.sp and p.candidate.tp > 1:
             assert p.time["tp_comm"] < base
