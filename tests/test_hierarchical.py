@@ -269,7 +269,13 @@ def test_hierarchical_all_reduce_equals_dist_all_reduce(world: int) -> None:
     ):
         per_node = [0] * n
         for rank, res in enumerate(results):
-            for call in res["traffic"][algo]:  # type: ignore[index]
+            calls = res["traffic"][algo]  # type: ignore[index]
+            # the settle (guard.py): one 1-element flag to every other rank, not data
+            settle = [c for c in calls if c.numel == 1]
+            assert len(settle) == 2 * (world - 1), (algo, len(settle))  # sends and receives
+            for call in calls:
+                if call.numel == 1:
+                    continue
                 if call.kind == "send" and call.peer // k != rank // k:
                     per_node[rank // k] += call.numel
                     if algo == "hier":  # only pieces of this rank's chunk cross nodes

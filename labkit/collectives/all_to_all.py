@@ -17,7 +17,9 @@ Why one batch: with NCCL, ungrouped sends and receives between two ranks run in 
 and two ranks that both receive first wait forever; :func:`labkit.collectives.common.post`
 posts every message of the exchange in one ``batch_isend_irecv``, which NCCL matches as a
 whole. A peer with zero rows either way is skipped on both ends (both know the sizes), so every
-rank takes part even when it sends nothing to some rank. The own piece is a local copy.
+rank takes part even when it sends nothing to some rank. The own piece is a local copy, made
+while the messages travel, as a compute step of :func:`labkit.collectives.guard.guarded` (if
+it raises, the messages still complete and every rank raises: the group stays usable).
 
 ``check=True`` (default) first proves the sizes consistent: every pair exchanges what it will
 send and expects, then every rank shares whether it found a mismatch, so a wrong split is the
@@ -35,6 +37,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from labkit.collectives.common import SUPPORTED_DTYPES, global_rank, group_rank_and_size, post
+from labkit.collectives.guard import guarded
 from labkit.collectives.profiled import profiled
 
 __all__ = ["all_to_all", "all_to_all_problem"]
@@ -167,13 +170,19 @@ def all_to_all(
         raise ValueError(problem)
     ins = input.split(input_splits)  # p views, rows for each rank
     outs = output.split(output_splits)  # p views: receiving into them fills output
-    outs[rank].copy_(ins[rank])
     others = [q for q in range(p) if q != rank]
-    recv, send = post(
-        [(ins[q], global_rank(group, q)) for q in others],
-        [(outs[q], global_rank(group, q)) for q in others],
-        group,
-    )
-    for work in recv + send:
-        work.wait()
+    with guarded("all_to_all", group, input.device) as g:
+        recv, send = post(
+            [(ins[q], global_rank(group, q)) for q in others],
+            [(outs[q], global_rank(group, q)) for q in others],
+            group,
+        )
+        g.run(_own_piece, outs[rank], ins[rank])  # copied while the messages travel
+        for work in recv + send:
+            work.wait()
     return output
+
+
+def _own_piece(out: torch.Tensor, inp: torch.Tensor) -> None:
+    """The rows this rank sends itself: a local copy (the compute step of an all-to-all)."""
+    out.copy_(inp)

@@ -26,10 +26,14 @@ Usage (ring attention, the collectives and the pipeline executor are written thi
             recv_w, send_w = post(sends, recvs, group)    # always: the schedule never changes
             if g.ok:                                      # skip compute once this rank failed
                 with g.catch():                           # an exception here is recorded
-                    y = compute(x)
+                    y = compute(x)                # or: y = g.run(compute, x, default=y)
             for w in recv_w + send_w:
                 w.wait()                                  # always
     # leaving the block: the settle exchange; raises on every rank if any rank failed
+
+Only compute runs inside ``g.catch()``/``g.run``, never a post or a wait. An exception that
+escapes the block *after the schedule's last message* (a final copy) is settled the same way;
+one that escapes mid-schedule (a communication error) cannot be contained: the group is lost.
 
 Nesting: a ``guarded`` call made by the pattern's own code (the hierarchical all-reduce's
 phases, the ring all-reduce's two halves) *joins* the open guard of its thread: one settle for
@@ -44,10 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from labkit.collectives.common import post, validate
@@ -61,6 +65,7 @@ DTYPES = (
     torch.float32, torch.float64, torch.bfloat16, torch.float16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )  # fmt: skip
+_R = TypeVar("_R")
 _open = threading.local()  # .guard: the open guard of this thread, outside its compute
 
 
@@ -137,6 +142,13 @@ class Guard:
         finally:
             _open.guard = outer
 
+    def run(self, fn: Callable[..., _R], *args: Any, default: Any = None) -> _R:
+        """``fn(*args)`` as a compute step (:meth:`catch`); ``default`` once this rank failed."""
+        if self.ok:
+            with self.catch():
+                return fn(*args)
+        return default  # type: ignore[no-any-return]
+
     def settle(self) -> None:
         """Every rank tells every other whether it failed (one batch); raise if any did."""
         rank, p = group_rank_and_size(self.group)
@@ -171,10 +183,13 @@ def guarded(what: str, group: ProcessGroup | None, device: torch.device) -> Iter
     if outer is not None:
         yield outer
         return
-    guard = Guard(what, group if group is not None else dist.group.WORLD, device)
+    guard = Guard(what, group, device)
     _open.guard = guard
     try:
         yield guard
+    except (Exception, KeyboardInterrupt) as exc:  # raised after the pattern's last message:
+        if guard.error is None:  # the peers are settling, so settle with them, then raise it
+            guard.error = exc
     finally:
         _open.guard = None
     guard.settle()

@@ -70,6 +70,7 @@ from labkit.collectives.common import (
     wire_dtype,
     wire_fields,
 )
+from labkit.collectives.guard import guarded
 from labkit.collectives.ring import ring_all_gather
 from labkit.collectives.ring_tuned import BLOCK_BYTES, _reduce_scatter, _Ring
 from labkit.parallel.layout import group_rank_and_size
@@ -192,16 +193,17 @@ def hierarchical_all_reduce(
     # float32 staging chunk for 16-bit inputs with wire="accum" (rounded once, after phase 2)
     work = mine if acc == tensor.dtype else pool.get("hier.chunk", mine.numel(), acc, flat.device)
     sum_op = ReduceOp.SUM if op == ReduceOp.AVG else op  # AVG divides once, at the end
-    if ring.p > 1:  # 1. reduce-scatter inside the node
-        _reduce_scatter(ring, work, flat, sum_op, pool, wire)
-    elif work is not mine:
-        work.copy_(mine)
-    if groups.nodes > 1 and work.numel():  # 2. all-reduce my chunk across nodes
-        all_reduce(work, sum_op, groups.inter, choice=choice, check=False, pool=pool, wire=wire)
-    if op == ReduceOp.AVG:
-        work.div_(groups.world_size)
-    if work is not mine:
-        mine.copy_(work)  # the one rounding to a 16-bit dtype
-    if ring.p > 1:  # 3. all-gather inside the node
-        ring_all_gather(tensor, mine, groups.intra, check=False)
+    with guarded("hierarchical_all_reduce", None, flat.device) as g:  # one settle, on WORLD
+        if ring.p > 1:  # 1. reduce-scatter inside the node
+            _reduce_scatter(ring, work, flat, sum_op, pool, wire)
+        elif work is not mine:
+            g.run(work.copy_, mine)
+        if groups.nodes > 1 and work.numel():  # 2. all-reduce my chunk across nodes
+            all_reduce(work, sum_op, groups.inter, choice=choice, check=False, pool=pool, wire=wire)
+        if op == ReduceOp.AVG:
+            g.run(work.div_, groups.world_size)
+        if work is not mine:
+            g.run(mine.copy_, work)  # the one rounding to a 16-bit dtype
+        if ring.p > 1:  # 3. all-gather inside the node
+            ring_all_gather(tensor, mine, groups.intra, check=False)
     return tensor

@@ -30,6 +30,7 @@ from labkit.collectives.common import (
     profiled,
     validate_in_place,
 )
+from labkit.collectives.guard import guarded
 
 __all__ = ["naive_all_reduce"]
 
@@ -58,28 +59,29 @@ def naive_all_reduce(
     if p == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1)
-    if rank != root:
-        dist.send(flat, global_rank(group, root), group=group)  # 1) my contribution goes up...
-        dist.recv(flat, global_rank(group, root), group=group)  # 2) ...and the result comes back
+    if rank != root:  # a guard here too: every rank of the group settles with the root
+        with guarded("naive_all_reduce", group, flat.device):
+            dist.send(flat, global_rank(group, root), group=group)  # 1) my contribution goes up
+            dist.recv(flat, global_rank(group, root), group=group)  # 2) the result comes back
         return tensor
     acc = accum_dtype(flat.dtype)
-    total = (
-        flat
-        if acc == flat.dtype
-        else pool.get("naive.acc", flat.numel(), acc, flat.device).copy_(flat)
-    )
-    incoming = pool.get("naive.recv", flat.numel(), flat.dtype, flat.device)
-    for other in range(p):  # 1) reduce: (p-1) full tensors through the root's link
-        if other != root:
-            dist.recv(incoming, global_rank(group, other), group=group)
-            combine_(total, incoming, op)
-    if op == ReduceOp.AVG:
-        total.div_(p)
-    if total is not flat:
-        flat.copy_(total)
-    # 2) broadcast: (p-1) full tensors again. Ungrouped, but NCCL-safe: towards each peer the
-    # root posts recv then send, the peer send then recv, so the per-pair orders match.
-    works = [dist.isend(flat, global_rank(group, o), group=group) for o in range(p) if o != root]
-    for w in works:
-        w.wait()  # type: ignore[union-attr]
+    with guarded("naive_all_reduce", group, flat.device) as g:  # compute: in g.run
+        total = flat if acc == flat.dtype else pool.get("naive.acc", flat.numel(), acc, flat.device)
+        if total is not flat:
+            g.run(total.copy_, flat)
+        incoming = pool.get("naive.recv", flat.numel(), flat.dtype, flat.device)
+        for other in range(p):  # 1) reduce: (p-1) full tensors through the root's link
+            if other != root:
+                dist.recv(incoming, global_rank(group, other), group=group)
+                g.run(combine_, total, incoming, op)
+        if op == ReduceOp.AVG:
+            g.run(total.div_, p)
+        if total is not flat:
+            g.run(flat.copy_, total)
+        # 2) broadcast: (p-1) full tensors again. Ungrouped, but NCCL-safe: towards each peer
+        # the root posts recv then send, the peer send then recv, so the per-pair orders match.
+        peers = [global_rank(group, o) for o in range(p) if o != root]
+        works = [dist.isend(flat, peer, group=group) for peer in peers]
+        for w in works:
+            w.wait()  # type: ignore[union-attr]
     return tensor

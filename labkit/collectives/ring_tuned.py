@@ -57,6 +57,7 @@ from labkit.collectives.common import (
     validate_reduce_scatter,
     wire_dtype,
 )
+from labkit.collectives.guard import guarded
 from labkit.collectives.ring import ring_all_gather
 
 __all__ = ["tuned_reduce_scatter", "tuned_all_gather", "tuned_all_reduce", "BLOCK_BYTES"]
@@ -102,32 +103,40 @@ def _reduce_scatter(
     send = ring.chunk(inp, (rank - 1) % p)
     if acc != inp.dtype:  # partials travel in float32 ("accum"): stage our first chunk there too
         send = bufs[1][: send.numel()].copy_(send)
-    for s in range(p - 1):
-        c = (rank - s - 2) % p  # the chunk whose partial arrives at this step
-        recv, last = bufs[s % 2][: ring.size[c]], s == p - 2
-        direct = last and acc == inp.dtype and op in (ReduceOp.SUM, ReduceOp.AVG)
-        recv_works, send_works = post(
-            [(x, ring.right) for x in ring.pieces(send)],
-            [(x, ring.left) for x in ring.pieces(recv)],
-            ring.group,
-        )
-        pieces = zip(
-            recv_works, ring.pieces(recv), ring.pieces(ring.chunk(inp, c)), ring.pieces(out)
-        )
-        for work, got, own, result in pieces:
-            work.wait()  # reduce this piece while the next ones are still arriving
-            if direct:  # the last partial plus ours goes straight into the output
-                torch.add(got, own, out=result)
-            else:  # float32 partials ("accum"), or 16-bit ones rounded back at each hop ("input")
-                combine_(got, own, op)
-            if last:
-                if op == ReduceOp.AVG:
-                    (result if direct else got).div_(p)
-                if not direct:
-                    result.copy_(got)  # the float32 result, rounded once to the output dtype
-        for work in send_works:
-            work.wait()
-        send = recv
+    with guarded("tuned_reduce_scatter", ring.group, inp.device) as g:  # compute in g.run
+        for s in range(p - 1):
+            c = (rank - s - 2) % p  # the chunk whose partial arrives at this step
+            recv, last = bufs[s % 2][: ring.size[c]], s == p - 2
+            direct = last and acc == inp.dtype and op in (ReduceOp.SUM, ReduceOp.AVG)
+            recv_works, send_works = post(
+                [(x, ring.right) for x in ring.pieces(send)],
+                [(x, ring.left) for x in ring.pieces(recv)],
+                ring.group,
+            )
+            pieces = zip(
+                recv_works, ring.pieces(recv), ring.pieces(ring.chunk(inp, c)), ring.pieces(out)
+            )
+            for work, got, own, result in pieces:
+                work.wait()  # reduce this piece while the next ones are still arriving
+                g.run(_reduce_piece, got, own, result, op, p if last else 0, direct)
+            for work in send_works:
+                work.wait()
+            send = recv
+
+
+def _reduce_piece(
+    got: torch.Tensor, own: torch.Tensor, result: torch.Tensor, op: object, p: int, direct: bool
+) -> None:
+    """Add our piece to the partial that arrived; at the last step (``p`` > 0) store it."""
+    if direct:  # the last partial plus ours goes straight into the output
+        torch.add(got, own, out=result)
+    else:  # float32 partials ("accum"), or 16-bit ones rounded back at each hop ("input")
+        combine_(got, own, op)
+    if p:
+        if op == ReduceOp.AVG:
+            (result if direct else got).div_(p)
+        if not direct:
+            result.copy_(got)  # the float32 result, rounded once to the output dtype
 
 
 @profiled("reduce_scatter")
@@ -190,5 +199,6 @@ def tuned_all_reduce(
     if ring.p == 1 or tensor.numel() == 0:
         return tensor
     mine = ring.chunk(tensor.view(-1), ring.rank)
-    _reduce_scatter(ring, mine, tensor.view(-1), op, pool, wire)
-    return ring_all_gather(tensor, mine, group, check=False)
+    with guarded("tuned_all_reduce", group, tensor.device):  # both halves: one settle
+        _reduce_scatter(ring, mine, tensor.view(-1), op, pool, wire)
+        return ring_all_gather(tensor, mine, group, check=False)

@@ -57,8 +57,16 @@ from labkit.collectives.common import (
     wire_dtype,
     wire_fields,
 )
+from labkit.collectives.guard import guarded
 
 __all__ = ["recursive_doubling_all_reduce", "halving_doubling_all_reduce", "broadcast"]
+
+
+def _combine(acc: torch.Tensor, x: torch.Tensor, op: object, group: ProcessGroup | None) -> None:
+    """``combine_`` as a compute step of the caller's guard (``guard.py``): if it raises, this
+    rank keeps exchanging, and every rank raises when the all-reduce ends."""
+    with guarded("tree", group, acc.device) as g:
+        g.run(combine_, acc, x, op)
 
 
 def _recursive_doubling_(
@@ -77,12 +85,12 @@ def _recursive_doubling_(
     recv = pool.get("rd.recv", work.numel(), work.dtype, work.device)
     if rank < p - p2:
         dist.recv(recv, global_rank(group, rank + p2), group=group)
-        combine_(work, recv, op)
+        _combine(work, recv, op, group)
     mask = 1
     while mask < p2:
         partner = global_rank(group, rank ^ mask)
         exchange(work, partner, recv, partner, group)
-        combine_(work, recv, op)
+        _combine(work, recv, op, group)
         mask <<= 1
     if rank < p - p2:
         dist.send(work, global_rank(group, rank + p2), group=group)
@@ -109,7 +117,7 @@ def _halve_(work: torch.Tensor, op: object, group: ProcessGroup | None, pool: Bu
         k0, k1, g0, g1 = off[keep[0]], off[keep[1]], off[give[0]], off[give[1]]
         partner = global_rank(group, rank ^ mask)
         exchange(work[g0:g1], partner, recv[: k1 - k0], partner, group)
-        combine_(work[k0:k1], recv[: k1 - k0], op)
+        _combine(work[k0:k1], recv[: k1 - k0], op, group)
         steps.append((partner, k0, k1, g0, g1))
         lo, hi = keep
         mask >>= 1
@@ -132,7 +140,7 @@ def _fold_in(work: torch.Tensor, op: object, group: ProcessGroup | None, pool: B
     if rank < p - p2:
         recv = pool.get("rhd.fold", work.numel(), work.dtype, work.device)
         dist.recv(recv, global_rank(group, rank + p2), group=group)
-        combine_(work, recv, op)
+        _combine(work, recv, op, group)
     return False
 
 
@@ -166,15 +174,13 @@ def halving_doubling_all_reduce(
     work = flat
     if acc != tensor.dtype:
         work = pool.get("rhd.work", flat.numel(), acc, flat.device).copy_(flat)
-    if p > 1 and work.numel():
-        extra = _fold_in(work, op, group, pool)
-        if not extra:
-            _double_back_(work, _halve_(work, op, group, pool), group)
-        _hand_back(work, extra, group)
-    if op == ReduceOp.AVG:
-        work.div_(p)
-    if work is not flat:
-        flat.copy_(work)
+    with guarded("halving_doubling_all_reduce", group, flat.device) as g:
+        if p > 1 and work.numel():
+            extra = _fold_in(work, op, group, pool)
+            if not extra:
+                _double_back_(work, _halve_(work, op, group, pool), group)
+            _hand_back(work, extra, group)
+        g.run(_finish, flat, work, p if op == ReduceOp.AVG else 1)
     return tensor
 
 
@@ -214,12 +220,18 @@ def recursive_doubling_all_reduce(
     work = flat
     if acc != tensor.dtype:  # 16-bit floats, "accum": reduce in float32, round once at the end
         work = pool.get("rd.work", flat.numel(), acc, flat.device).copy_(flat)
-    _recursive_doubling_(work, op, group, pool)
-    if op == ReduceOp.AVG:
-        work.div_(p)
+    with guarded("recursive_doubling_all_reduce", group, flat.device) as g:
+        _recursive_doubling_(work, op, group, pool)
+        g.run(_finish, flat, work, p if op == ReduceOp.AVG else 1)
+    return tensor
+
+
+def _finish(flat: torch.Tensor, work: torch.Tensor, divide: int) -> None:
+    """AVG's one division, and the one rounding of a float32 ``work`` to ``flat``'s dtype."""
+    if divide > 1:
+        work.div_(divide)
     if work is not flat:
         flat.copy_(work)
-    return tensor
 
 
 @profiled("broadcast")

@@ -20,18 +20,25 @@ When it beats the ring (arithmetic in :mod:`labkit.context_parallel.cost`):
   ring across nodes.
 
 The all-to-alls are ``dist.all_to_all_single`` (a collective: NCCL-safe by construction),
-wrapped in autograd Functions whose backward is the inverse exchange.
+wrapped in autograd Functions whose backward is the inverse exchange. Off the happy path: the
+shapes are checked on every rank first (cached: 13 rows against 12 is a ValueError on both,
+not gloo's abort), and :func:`ulysses_attention` is one Function whose local attention, forward
+or backward, runs as a compute step of a guard (:mod:`labkit.collectives.guard`): a rank whose
+attention raises still takes part in every remaining all-to-all, and every rank raises.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
+
+from labkit.collectives.guard import guarded, same_everywhere
 
 __all__ = ["heads_to_seq", "seq_to_heads", "ulysses_attention"]
 
@@ -82,24 +89,68 @@ class _HeadsToSeq(torch.autograd.Function):
         return _to_heads(g, ctx.group), None
 
 
-def _check_heads(heads: int, group: ProcessGroup | None) -> None:
+def _local_attention(qh, kh, vh, causal: bool, scale: float) -> torch.Tensor:
+    """The head-sharded attention every rank runs alone: torch's SDPA on (b, h/cp, s, d)."""
+    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+
+
+class _Ulysses(torch.autograd.Function):
+    """Forward: three all-to-alls, local attention, one back; backward: the same in reverse.
+    One Function, so a local attention that raises (forward or backward) is a compute step
+    of a guard (:mod:`labkit.collectives.guard`): its rank still takes part in every
+    remaining all-to-all, with zeros, and every rank raises at the end."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, group, causal, scale):  # type: ignore[override]
+        with guarded("ulysses_attention", group, q.device) as g:
+            heads = [_to_heads(t, group).detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():  # the local graph, kept for backward
+                o = g.run(_local_attention, *heads, causal, scale, default=None)
+            out = _to_seq(torch.zeros_like(heads[0]) if o is None else o.detach(), group)
+        ctx.group, ctx.heads, ctx.o = group, heads, o
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
+        group, heads = ctx.group, ctx.heads
+        with guarded("ulysses_attention backward", group, dout.device) as g:
+            d_o = _to_heads(dout, group)  # (b, h/cp, s, d)
+            grads = g.run(torch.autograd.grad, ctx.o, heads, d_o, default=None)
+            if grads is None:
+                grads = [torch.zeros_like(t) for t in heads]
+            dq, dk, dv = (_to_seq(t, group) for t in grads)
+        ctx.heads = ctx.o = None
+        return dq, dk, dv, None, None, None
+
+
+def _check(what: str, group: ProcessGroup | None, x: dict[str, torch.Tensor], **fields: int):
+    """The same shapes and dtypes on every rank (cached; a ValueError on every rank, never
+    gloo's abort), heads divisible by cp, and for head shards the sequence too."""
     p = dist.get_world_size(group)
-    if heads % p:
-        raise ValueError(
-            f"Ulysses needs the head count divisible by cp: {heads} heads over cp={p} ranks "
-            f"(use the ring, or a cp that divides {heads})"
+    t = next(iter(x.values()))
+    problem = None
+    if t.dim() != 4:
+        problem = f"expected (batch, heads, seq, head dim) tensors, got shape {tuple(t.shape)}"
+    elif what != "heads_to_seq" and t.shape[1] % p:
+        problem = (
+            f"Ulysses needs the head count divisible by cp: {t.shape[1]} heads over cp={p} "
+            f"ranks (use the ring, or a cp that divides {t.shape[1]})"
         )
+    elif what == "heads_to_seq" and t.shape[2] % p:
+        problem = f"sequence {t.shape[2]} is not divisible by cp={p}"
+    same_everywhere(what, group, x, fields, problem=problem)
 
 
 def seq_to_heads(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """(b, h, s/cp, d) sequence-sharded -> (b, h/cp, s, d) head-sharded (differentiable)."""
-    _check_heads(x.shape[1], group)
+    _check("seq_to_heads", group, {"x": x})
     out: torch.Tensor = _SeqToHeads.apply(x, group)
     return out
 
 
 def heads_to_seq(y: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """(b, h/cp, s, d) head-sharded -> (b, h, s/cp, d) sequence-sharded (differentiable)."""
+    _check("heads_to_seq", group, {"y": y})
     out: torch.Tensor = _HeadsToSeq.apply(y, group)
     return out
 
@@ -114,9 +165,11 @@ def ulysses_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of (b, h, s/cp, d) contiguous sequence shards (rank r holds slice r); the
-    local attention is torch's ``scaled_dot_product_attention`` on (b, h/cp, s, d)."""
-    _check_heads(q.shape[1], group)
+    local attention is torch's ``scaled_dot_product_attention`` on (b, h/cp, s, d). Every
+    rank must pass the same shapes (checked on every rank, once per shape)."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    qh, kh, vh = (seq_to_heads(t, group) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
-    return heads_to_seq(o, group)
+    bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+    tensors = {"q": q, "k": k, "v": v}
+    _check("ulysses_attention", group, tensors, causal=int(causal), scale_bits=bits)
+    out: torch.Tensor = _Ulysses.apply(q, k, v, group, causal, scale)
+    return out

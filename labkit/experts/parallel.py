@@ -12,7 +12,13 @@ Each rank routes its own tokens (its own routing group: same capacity, same drop
    makes them expert-major for the grouped matmul, and its *inverse* restores source-major;
 4. combine: the outputs travel back on the reverse all-to-all (splits swapped), and each
    rank adds ``gate * output`` into its tokens. Backward is the same two all-to-alls with
-   their splits swapped (:class:`_AllToAll`).
+   their splits swapped (:class:`_RemoteExperts`).
+
+Off the happy path: every rank checks first (cached) that all send rows of one width and
+dtype, with one expert count (another ``d`` on one rank would abort gloo's all-to-all); and
+the experts run as a compute step of a guard (:mod:`labkit.collectives.guard`), forward and
+backward: a rank whose experts raise still sends and receives every row (zeros), and every
+rank raises at the end, the ep group usable for the next call.
 
 Bytes per layer, forward, per rank: (my rows for other ranks' experts + their rows for
 mine, sent back) ``* d * itemsize`` (dispatch and combine; ``self.sent_rows`` counts the
@@ -38,6 +44,7 @@ from torch.distributed import ProcessGroup
 
 from labkit.collectives import Comm
 from labkit.collectives.all_to_all import all_to_all
+from labkit.collectives.guard import guarded, same_everywhere
 from labkit.experts.layer import MoELayer, group_losses, moe_group
 from labkit.experts.router import Routing
 
@@ -59,20 +66,41 @@ def exchange_rows(
     return out
 
 
-class _AllToAll(torch.autograd.Function):
-    """Forward: rows out by ``send``, in by ``recv``. Backward: the transpose (splits swapped)."""
+def _local_experts(moe: Any, arrived: torch.Tensor, perm: torch.Tensor, counts: torch.Tensor):
+    """Rows arrived source-major (R, d) -> this rank's experts' outputs, source-major again."""
+    out = moe.experts(arrived[perm], counts)  # (R, d) expert-major
+    return moe.unpermute(out, perm)  # (R, d) source-major
+
+
+class _RemoteExperts(torch.autograd.Function):
+    """Dispatch, this rank's experts, combine, as ONE Function: its forward and backward each
+    run the experts as a compute step of a guard (:mod:`labkit.collectives.guard`), so a rank
+    whose experts raise still takes part in every remaining all-to-all (with zeros) and every
+    rank raises at the end, the ep group usable. Backward: the two all-to-alls transposed
+    (splits swapped) around the experts' local backward (which fills their ``.grad``)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any, impl: str
-    ) -> torch.Tensor:
-        ctx.args = (send, recv, group, impl)
-        return exchange_rows(x, send, recv, group, impl)
+    def forward(ctx: Any, rows, moe, send, recv, perm, counts):  # type: ignore[override]
+        group, impl = moe.group, moe.impl
+        with guarded("expert_parallel", group, rows.device) as g:
+            arrived = exchange_rows(rows, send, recv, group, impl).requires_grad_()  # (R, d)
+            with torch.enable_grad():  # the local graph, kept for backward
+                back = g.run(_local_experts, moe, arrived, perm, counts)  # (R, d)
+            sent = arrived.new_zeros(arrived.shape) if back is None else back.detach()
+            result = exchange_rows(sent, recv, send, group, impl)  # (M, d); zeros if failed
+        ctx.args, ctx.saved = (group, impl, send, recv), (arrived, back)
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        send, recv, group, impl = ctx.args
-        return exchange_rows(grad.contiguous(), recv, send, group, impl), None, None, None, None
+        (group, impl, send, recv), (arrived, back) = ctx.args, ctx.saved
+        with guarded("expert_parallel backward", group, grad.device) as g:
+            g_back = exchange_rows(grad.contiguous(), send, recv, group, impl)  # (R, d)
+            g.run(torch.autograd.backward, back, g_back)  # into arrived.grad and the params
+            g_arrived = arrived.grad if arrived.grad is not None else torch.zeros_like(arrived)
+            g_rows = exchange_rows(g_arrived, recv, send, group, impl)  # (M, d)
+        ctx.saved = None
+        return g_rows, None, None, None, None, None
 
 
 class ExpertParallelMoE(nn.Module):
@@ -123,22 +151,23 @@ class ExpertParallelMoE(nn.Module):
     def _remote_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows (M, d) sorted by global expert -> their outputs (M, d), computed where the
         experts live: the ExpertFn :func:`moe_group` calls."""
-        recv_counts = self.exchange_counts(counts)  # (ep, E/ep)
-        send = counts.view(self.ep, self.local).sum(1).tolist()  # rows to each rank
-        recv = recv_counts.sum(1).tolist()  # rows from each rank
-        me = self.ep_rank
-        # dispatch sends my rows to other ranks; combine returns theirs
-        self.sent_rows += sum(send) - send[me] + sum(recv) - recv[me]
-        arrived = _AllToAll.apply(rows, send, recv, self.group, self.impl)  # (R, d) by source
-        # local expert of each arrived row: source-major segments (r, e) of recv_counts[r, e]
-        expert_of = torch.arange(self.local, device=rows.device).repeat(self.ep)  # (ep * E/ep,)
-        expert_of = expert_of.repeat_interleave(recv_counts.reshape(-1))  # (R,)
-        perm = torch.sort(expert_of, stable=True).indices  # (R,) source-major -> expert-major
-        out = self.experts(arrived[perm], recv_counts.sum(0))  # (R, d), expert-major
-        self.received_rows.append(int(perm.numel()))
-        self.recv_counts.append(recv_counts.tolist())
-        back = self.unpermute(out, perm)  # (R, d) source-major again
-        return _AllToAll.apply(back, recv, send, self.group, self.impl)  # (M, d)
+        with guarded("expert_parallel", self.group, rows.device):  # counts, dispatch, combine
+            recv_counts = self.exchange_counts(counts)  # (ep, E/ep)
+            send = counts.view(self.ep, self.local).sum(1).tolist()  # rows to each rank
+            recv = recv_counts.sum(1).tolist()  # rows from each rank
+            me = self.ep_rank
+            # dispatch sends my rows to other ranks; combine returns theirs
+            self.sent_rows += sum(send) - send[me] + sum(recv) - recv[me]
+            # local expert of each arriving row: source-major segments (r, e) of recv_counts[r, e]
+            expert_of = torch.arange(self.local, device=rows.device).repeat(self.ep)  # (ep * E/ep,)
+            expert_of = expert_of.repeat_interleave(recv_counts.reshape(-1))  # (R,)
+            perm = torch.sort(expert_of, stable=True).indices  # (R,) source-major -> expert-major
+            self.received_rows.append(int(perm.numel()))
+            self.recv_counts.append(recv_counts.tolist())
+            out: torch.Tensor = _RemoteExperts.apply(
+                rows, self, send, recv, perm, recv_counts.sum(0)
+            )
+            return out  # (M, d)
 
     @staticmethod
     def unpermute(out: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -149,6 +178,10 @@ class ExpertParallelMoE(nn.Module):
         """x (..., d), this rank's tokens (one routing group) -> (..., d)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (..., d) -> (n, d)
+        # rows of one width and dtype, one expert count, one impl on every rank (cached): a rank
+        # with another d would abort gloo's all-to-all; token counts may differ (routing does)
+        fields = {"n_experts": self.n_experts, "impl": A2A_IMPLS.index(self.impl)}
+        same_everywhere("expert_parallel", self.group, {"rows": flat[:0]}, fields)
         y, routing = moe_group(self.router, flat, self._remote_experts)
         self.routings = [routing]
         self.aux = group_losses(self.routings)

@@ -6,10 +6,15 @@ group* (the tokens one rank routes together: GShard's "group", Lepikhin et al. 2
 and expert parallelism call the same functions on the same group, so they keep and drop the
 same tokens.
 
-* top-k softmax: ``probs = softmax(logits)`` over the ``E`` experts, the ``k`` largest win (ties:
-  the lower expert index, ``torch.topk`` on CPU and our stable sort agree on it). Gates are the
-  winners' probabilities, renormalised over the k winners when ``normalize`` (Mixtral, Jiang et
-  al. 2024) or left as they are (Switch with k = 1; GShard k = 2 renormalises).
+* top-k softmax: ``probs = softmax(logits)`` over the ``E`` experts in float32 (float64 for
+  float64 logits), and the ``k`` largest win, chosen on those float32 probabilities: rounding
+  them to 16 bits first would tie experts that differ (bfloat16 keeps 8 bits: at 8 experts a
+  logit lead of 2**-8 vanishes). Ties go to the lower expert index, on every device: the
+  choice is a stable descending sort (:func:`top_k_lowest_index`), which keeps equal values
+  in index order; ``torch.topk`` promises no order among ties (on CPU, 8 equal logits pick
+  experts [6, 5]). Gates are the winners' float32 probabilities, renormalised over the k
+  winners when ``normalize`` (Mixtral, Jiang et al. 2024) or left as they are (Switch with
+  k = 1; GShard k = 2 renormalises), then rounded to the logits' dtype once.
 * capacity: an expert takes at most ``C = ceil(capacity_factor * k * n / E)`` token-slots of a
   group of ``n`` tokens (Switch eq. 3). Priority: every token's first choice before any
   second choice (GShard Algorithm 1), then token order. A (token, choice) past ``C`` is
@@ -40,6 +45,7 @@ __all__ = [
     "load_balancing_loss",
     "route",
     "router_z_loss",
+    "top_k_lowest_index",
 ]
 
 
@@ -86,10 +92,12 @@ def route(
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in [1, n_experts={E}]")
     wide = torch.promote_types(logits.dtype, torch.float32)  # 16-bit logits: softmax in fp32
-    probs = F.softmax(logits.to(wide), dim=-1).to(logits.dtype)  # (n, E)
-    gates, experts = probs.topk(top_k, dim=-1)  # (n, k) each, largest first
+    probs_wide = F.softmax(logits.to(wide), dim=-1)  # (n, E), chosen from before any rounding
+    experts = top_k_lowest_index(probs_wide, top_k)  # (n, k), largest first
+    gates = probs_wide.gather(-1, experts)  # (n, k)
     if normalize:
         gates = gates / gates.sum(-1, keepdim=True)
+    probs, gates = probs_wide.to(logits.dtype), gates.to(logits.dtype)
     load = torch.bincount(experts.reshape(-1), minlength=E)  # (E,)
     cap = capacity(n, E, top_k, capacity_factor)
     if cap is None:
@@ -102,6 +110,12 @@ def route(
         kept = (slot < cap).reshape(top_k, n).t()  # (k, n) -> (n, k)
     kept_load = torch.bincount(experts[kept], minlength=E)  # (E,)
     return Routing(logits, probs, experts, gates, kept, load, kept_load)
+
+
+def top_k_lowest_index(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values of each row of ``probs`` (n, E), largest first; equal
+    values in ascending index order (a stable sort keeps them so on CPU and CUDA alike)."""
+    return torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]  # (n, k)
 
 
 def dispatch_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

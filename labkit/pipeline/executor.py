@@ -11,6 +11,10 @@
   stage (embedding; nobody waits for its input gradient) runs its whole backward in B.
 * each run of sends/receives between two compute actions is ONE ``dist.batch_isend_irecv``,
   waited on as a whole: the NCCL-safe form the validator checks (gloo runs it too).
+* off the happy path (:mod:`labkit.collectives.guard`): every rank first checks (cached) that
+  all run one schedule with one activation shape and dtype; a stage that raises (F, B or W)
+  puts its rank in send-only mode: it still posts every send (zeros) and receive of its list,
+  so no peer waits forever, and at the end every rank raises, the group usable again.
 
 The stash (a micro-batch's input and output kept from F to B, or W) is a dict; the measured
 peak counts stashed outputs still alive through weak references, so a leak would show.
@@ -22,12 +26,15 @@ from __future__ import annotations
 
 import time
 import weakref
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from labkit.collectives.guard import guarded, same_everywhere
 from labkit.models.gpt import lm_loss
 from labkit.parallel.layout import global_rank
 from labkit.pipeline.actions import Action, Schedule
@@ -103,6 +110,7 @@ def pipeline_step(
     the last stage's loss (a vocab-parallel one when the head is tensor-parallel)."""
     rank = dist.get_rank(group)
     device = next(chunks[0].parameters()).device
+    _agree(sched, act_shape, dtype, group, device)
     last_stage = sched.num_stages - 1
     stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, chunk) -> (x, y)
     # split schedules: W's inputs and output gradients, recorded during F and B
@@ -122,6 +130,9 @@ def pipeline_step(
         dist.barrier(group=group)
     t0 = time.perf_counter()
 
+    def zeros() -> torch.Tensor:
+        return torch.zeros(act_shape, dtype=dtype, device=device)
+
     def flush() -> None:
         if not batch:
             return
@@ -129,10 +140,11 @@ def pipeline_step(
         ops, bufs = [], []
         for a in batch:
             peer = global_rank(group, a.peer)  # type: ignore[arg-type]
-            if a.kind == "SEND_F":
-                ops.append(dist.P2POp(dist.isend, stash[(a.mb, a.chunk)][1].detach(), peer))
+            if a.kind == "SEND_F":  # (after a failed compute, send-only mode sends zeros)
+                y = stash[(a.mb, a.chunk)][1] if (a.mb, a.chunk) in stash else zeros()
+                ops.append(dist.P2POp(dist.isend, y.detach(), peer))
             elif a.kind == "SEND_B":
-                ops.append(dist.P2POp(dist.isend, grads_out.pop((a.mb, a.chunk)), peer))
+                ops.append(dist.P2POp(dist.isend, grads_out.pop((a.mb, a.chunk), zeros()), peer))
             else:
                 buf = torch.empty(act_shape, dtype=dtype, device=device)
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
@@ -145,11 +157,8 @@ def pipeline_step(
         result.timeline += [(a, start, end) for a in batch]
         batch.clear()
 
-    for a in sched.ranks[rank]:
-        if not a.is_compute:
-            batch.append(a)
-            continue
-        flush()
+    def compute(a: Action) -> None:
+        nonlocal loss_sum
         chunk = chunks[a.chunk]
         s = sched.stage(rank, a.chunk)
         start = time.perf_counter() - t0
@@ -200,14 +209,37 @@ def pipeline_step(
             apply_weight_grads(recorded.pop((a.mb, a.chunk), []))
         del x, y
         result.timeline.append((a, start, time.perf_counter() - t0))
-    flush()
-    for rec in recorders:
-        if rec is not None:
-            rec.close()
-    _reduce_tied(chunks, emb_group)
+
+    with guarded("pipeline_step", group, device) as g:
+        for a in sched.ranks[rank]:
+            if not a.is_compute:
+                batch.append(a)
+                continue
+            flush()
+            g.run(compute, a)  # if a stage raises: its rank goes on with the messages, zeros
+        flush()
+        for rec in recorders:
+            if rec is not None:
+                rec.close()
+        _reduce_tied(chunks, emb_group)
     if any(c.is_last for c in chunks):
         result.loss = loss_sum / sched.m
     return result
+
+
+def _agree(
+    sched: Schedule, act_shape: tuple[int, ...], dtype: torch.dtype, group: Any, device: Any
+) -> None:
+    """The same ValueError on every rank unless every rank of ``group`` runs this schedule with
+    one activation shape and dtype: a rank receiving (2, 8, 16) from one sending (3, 8, 16)
+    would abort gloo. Cached (:func:`labkit.collectives.guard.same_everywhere`): once per
+    combination, so a training loop pays it at its first step."""
+    p = dist.get_world_size(group)
+    problem = None if p == sched.p else f"the schedule has p={sched.p}, the group {p} ranks"
+    act = torch.empty_strided(act_shape, [0] * len(act_shape), dtype=dtype, device=device)
+    digest = zlib.crc32(repr((sched.name, sched.split_backward, sched.ranks)).encode())
+    fields = {"schedule (crc32 of its actions)": digest, "m": sched.m, "v": sched.v}
+    same_everywhere("pipeline_step", group, {"activation": act}, fields, problem=problem)
 
 
 def _hand_back(
