@@ -32,10 +32,12 @@ computes a row the same in a chunk as in the whole (measured here: chunks of >= 
 output widths >= 12; narrower products take an MKL kernel whose rounding depends on the row's
 position, ~1 ulp).
 
-Failure half-way: if a chunk's compute raises, this rank keeps the ring schedule going
-(it skips its compute and, in a reduce-scatter, sends NaN instead of a partial sum, so
-no peer's result is silently wrong), drains, then re-raises: no peer waits for a message that
-will not come, and the group is usable for the next call.
+Off the happy path, with :mod:`labkit.collectives.guard`: sizes are compared on every rank
+first (``same_everywhere``, cached), so a mismatch is the same ValueError everywhere; if a
+chunk's compute raises, this rank keeps posting and waiting for every message of the schedule
+and skips only its compute (``guarded``), then every rank learns it in one tiny exchange: the
+failing rank re-raises, the others raise ``PeerFailed``, and the group is usable for the next
+call (one latency per call for that exchange).
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
 from labkit.collectives import Comm
+from labkit.collectives.guard import guarded, same_everywhere
 from labkit.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from labkit.tensor_parallel.overlap_ring import RingSteps, Timeline, agree_on_shapes
+from labkit.tensor_parallel.overlap_ring import RingSteps, Timeline
 from labkit.tensor_parallel.overlap_schedule import Order, ag_order, rs_order
 
 __all__ = [
@@ -76,22 +79,17 @@ def all_gather_matmul(
     full = shard.new_empty(t * n, *shard.shape[1:])  # (T, B, d)
     rows = [full[k * n : (k + 1) * n] for k in range(t)]  # contiguous views: chunk k
     rows[ring.rank].copy_(shard)
-    failure: BaseException | None = None
-    with ring:
+    with guarded("all_gather_matmul", ring.group, shard.device) as g, ring:
         for s, k in enumerate(chunk_at):
             if s < t - 1:  # post the next chunk's transfer BEFORE multiplying this one
                 ring.start(s, sends=[rows[k]], recvs=[rows[chunk_at[s + 1]]])
-            if failure is None:  # after a failure: keep forwarding, compute nothing
-                try:
+            if g.ok:  # after a failure on this rank: keep forwarding, compute nothing
+                with g.catch():
                     ring.mark(s, "compute")
                     compute(k, rows[k])
                     ring.mark(s, "computed")
-                except Exception as exc:  # noqa: BLE001 - re-raised after the schedule
-                    failure = exc
             if s < t - 1:
                 ring.wait(s)
-    if failure is not None:
-        raise failure
     return full
 
 
@@ -112,20 +110,14 @@ def matmul_reduce_scatter(
         rows[ring.rank].copy_(carry)
     shape = (n, full.shape[1], width)
     arrived = [full.new_empty(shape), full.new_empty(shape)]  # alternate: one may be in flight
-    failure: BaseException | None = None
     total = arrived[0]
-    with ring:
+    with guarded("matmul_reduce_scatter", ring.group, full.device) as g, ring:
         for s, k in enumerate(order(ring.rank, t)):
-            mine = None
-            if failure is None:
-                try:
-                    ring.mark(s, "compute")
-                    mine = partial(chunks[k])  # (n, B, width): overlaps step s - 1's transfer
-                    ring.mark(s, "computed")
-                except Exception as exc:  # noqa: BLE001 - re-raised after the schedule
-                    failure = exc
-            if mine is None:  # poison the sum: every peer sees NaN, never a wrong number
-                mine = full.new_full(shape, float("nan"))
+            ring.mark(s, "compute")
+            mine = g.run(partial, chunks[k], default=None)  # overlaps step s - 1's transfer
+            ring.mark(s, "computed")
+            if mine is None:  # this rank failed: send-only mode, every rank raises at the end
+                mine = full.new_zeros(shape)
             if s > 0:
                 ring.wait(s - 1)
                 total = arrived[(s - 1) % 2].add_(mine)  # arrived sum first: the ring's order
@@ -137,8 +129,6 @@ def matmul_reduce_scatter(
                     sends.append(rows[(ring.rank - s) % t])
                     recvs.append(rows[(ring.rank - s - 1) % t])
                 ring.start(s, sends, recvs)
-    if failure is not None:
-        raise failure
     return total, gathered
 
 
@@ -221,7 +211,7 @@ def _check_sequence(what: str, x: torch.Tensor, group: ProcessGroup | None, size
         problem = f"{what}: expected a (batch, seq, features) input, got shape {tuple(x.shape)}"
     elif seq % t:
         problem = f"{what}: sequence length {seq} is not divisible by tp={t} (sequence parallelism)"
-    agree_on_shapes(what, group, x.contiguous(), sizes, problem)
+    same_everywhere(what, group, {"input": x}, sizes, problem=problem)
 
 
 def all_gather_linear(

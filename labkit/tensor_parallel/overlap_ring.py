@@ -12,13 +12,9 @@ nothing else, so ``overlap.py`` reads as the algorithm alone:
   to ``start`` may be reused after the next ``wait``.
 * ``drain()`` (the context manager's exit, on every path) waits for whatever is still posted:
   no message of a call outlives it, so an exception half-way leaves the group usable for the
-  next call. (The algorithm also keeps the schedule going after a local failure, see
-  ``overlap.py``: a peer is never left waiting for a message that will not come.)
+  next call. (A failing *compute* step is :mod:`labkit.collectives.guard`'s business, used by
+  ``overlap.py``: the schedule goes on, then every rank raises.)
 
-:func:`agree_on_shapes` is the entry check: every rank sends its sizes to every other rank
-(:func:`labkit.collectives.common.validate`, once per combination), so sizes that differ
-across ranks raise the same ValueError on every rank instead of a native abort (gloo
-SIGABRTs on a size mismatch) or a hang.
 :class:`Timeline` records when each step was posted, computed and waited (perf_counter
 seconds), for the picture in ``labkit.viz.tp_overlap``.
 """
@@ -34,9 +30,9 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from labkit.collectives.common import post, ring_neighbours, validate
+from labkit.collectives.common import post, ring_neighbours
 
-__all__ = ["RingSteps", "Timeline", "agree_on_shapes"]
+__all__ = ["RingSteps", "Timeline"]
 
 
 @dataclass
@@ -105,12 +101,3 @@ class RingSteps:
             return
         with contextlib.suppress(BaseException):  # the original exception is the one to see
             self.drain()
-
-
-def agree_on_shapes(
-    what: str, group: ProcessGroup | None, tensor: torch.Tensor, sizes: dict[str, int],
-    problem: str | None = None,
-) -> None:  # fmt: skip
-    """Every rank of ``group`` must pass the same ``sizes`` (and dtype) and no rank a
-    ``problem``; otherwise the same ValueError, naming the values, on every rank."""
-    validate(what, group, {"input": tensor}, sizes, problem=problem)
