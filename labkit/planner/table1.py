@@ -12,6 +12,9 @@ GPUs of a node, pipeline beyond) and #2 (the smallest model-parallel size t x p 
 states and activations fit; data parallelism for the rest). ``megatron_rule`` is that rule on
 the planner's memory model; ``rule_budget_window`` finds the memory budgets at which it gives
 the paper's layout in every row (the paper does not state its budget; the window bounds it).
+The window is read off Table 1's own layouts, so reproducing them inside it is a consistency
+check of the memory model, not a prediction. Accuracy at each run's own settings (micro-batch,
+interleaving, DDP) is :mod:`labkit.planner.accuracy`'s.
 
 ``python -m labkit.planner.table1`` prints Table 1 side by side, Korthikanti's rows, the other
 published runs and this project's H200 measurement against their predictions.
@@ -224,7 +227,8 @@ def format_table1_agreement(rows: list[dict[str, object]] | None = None) -> str:
         f"(the smallest t x p that fits, tensor parallelism up to a node first). On the "
         f"planner's memory model that rule gives the paper's layout in every row for any "
         f"budget from {low / 1e9:.1f} to {high / 1e9:.1f} GB per GPU ({low / card:.0%}-"
-        f"{high / card:.0%} of the card), a margin the paper does not state. Where the "
+        f"{high / card:.0%} of the card), a margin the paper does not state: a consistency "
+        f"check (the window is computed from Table 1's own layouts), not a prediction. Where the "
         f"planner's search differs it prefers less tensor parallelism and predicts it faster "
         f"(the rows' 'paper's layout slower by'). The paper's one measurement of t against p "
         f"(Figure 13, 161B on 64 GPUs) peaks at (8, 8); the planner ranks {fig13} first there.",
