@@ -31,7 +31,8 @@ from labkit.planner.sc21 import (
     table1_prediction,
     tflops,
 )
-from labkit.planner.zero3 import ZERO3_RUNS, zero3_rows, zero3_scaling, zero3_step
+from labkit.planner.zero3 import BF16_FSDP, zero3_schedule
+from labkit.planner.zero3_runs import ZERO3_RUNS, zero3_rows, zero3_scaling, zero3_step
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +159,9 @@ def test_zero3_ring_by_hand_and_the_fall_at_fixed_batch() -> None:
     assert terms["latency"] == pytest.approx(4 * (3 * 40 + 3) * (n - 1) * alpha)
     scale = zero3_scaling()
     ours = [float(str(r["this model"])) for r in scale]
-    old = [float(str(r["predict(zero=3)"])) for r in scale]
+    old = [float(str(r["bucket overlap"])) for r in scale]
     assert ours == sorted(ours, reverse=True) and ours[-1] < 0.3 * ours[0]
-    # negative control: the bucket overlap predict charges stays flat
+    # negative control: the bucket overlap steptime charged before stays flat
     assert max(old) / min(old) < 1.02
     assert 12 * h * h * 2 / (n - 1) < 1e6  # a ring step's chunk: latency-bound at this scale
 
@@ -174,3 +175,18 @@ def test_zero3_published_runs() -> None:
             assert float(str(r["error"])) >= 0, r
         assert float(str(r["prefetch gain"])) > 0
     assert MIXED_ADAM.wire_bytes == 2
+
+
+def test_predict_charges_the_block_schedule_for_zero3_with_overlap() -> None:
+    cfg = sc21_model(40, 5120, 40)
+    cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(256)  # 2048 GPUs, 2 micro-batches each
+    cand = Candidate(2048, 1, 1, 1, zero=3)
+    pred = predict(cfg, cluster, 4096, cand, precision=BF16_FSDP, dp_overlap=True)
+    sched = zero3_schedule(cfg, cluster, cand, 2, BF16_FSDP)
+    assert pred.time["dp_comm"] == pytest.approx(sched["gather"] + sched["reduce_scatter"])
+    assert pred.time["dp_comm"] > 0.5 * pred.time["compute"]  # latency-bound rings
+    # without overlap, and for ZeRO-1, the listed collectives are charged as before
+    plain = predict(cfg, cluster, 4096, cand, precision=BF16_FSDP)
+    assert plain.time["dp_comm"] != pytest.approx(pred.time["dp_comm"])
+    with pytest.raises(ValueError, match="zero=3"):
+        zero3_schedule(cfg, cluster, Candidate(2048, 1, 1, 1, zero=1), 2)

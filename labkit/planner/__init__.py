@@ -24,6 +24,11 @@ Read in this order:
 * ``table1.py``   the planner against Megatron's Table 1, row by row (run it:
                   ``python -m labkit.planner.table1``; not imported here, so that runs clean).
 * ``published.py`` Korthikanti's Table 5 and other published runs as data, sources beside.
+* ``sc21.py``     Table 1's runs at their own settings (run_table_1.sh) as Megatron 2021 ran them.
+* ``figures.py``  Figures 12-16 of the same paper: the planner's order against the measured one.
+* ``zero3.py``    ZeRO-3 / FSDP's per-block schedule (rings, prefetch, latency), ``predict``'s
+                  dp term for ZeRO-3 with overlap; ``zero3_runs.py`` the published runs.
+* ``accuracy.py`` the errors at the configurations really measured (``python -m labkit.planner``).
 * ``gpu_checks.py`` this project's H200 measurement against the planner's prediction.
 * ``long_moe.py`` Mixtral 8x7B's shapes and a 128k-context dense model, printed
                   (``python -m labkit.planner``, last section).

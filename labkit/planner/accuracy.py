@@ -8,7 +8,8 @@
 * Korthikanti et al. 2022's Table 5 at Table 3's settings (:data:`KORTHIKANTI_MICRO_BATCH`).
 * The same model and layout measured twice, in 2021 (Table 1) and 2022 (Korthikanti's full
   recompute): :func:`stack_gap`, the evidence for where the Table 1 rows stay optimistic.
-* Figures 12-16 (:mod:`labkit.planner.figures`) and ZeRO-3 / FSDP (:mod:`labkit.planner.zero3`).
+* Figures 12-16 (:mod:`labkit.planner.figures`) and ZeRO-3 / FSDP
+  (:mod:`labkit.planner.zero3_runs`).
 
 ``python -m labkit.planner`` prints all of it (:func:`main`).
 """
@@ -186,7 +187,7 @@ def show(title: str, rows: list[dict[str, object]]) -> None:  # pragma: no cover
 
 def main() -> None:  # pragma: no cover - a report for people; each piece is tested
     from labkit.planner.figures import figure_orders
-    from labkit.planner.zero3 import zero3_rows, zero3_scaling
+    from labkit.planner.zero3_runs import zero3_rows, zero3_scaling
 
     rows = table1_rows()
     show("Table 1 (Narayanan et al. 2021) at each run's settings (run_table_1.sh): "
@@ -216,4 +217,4 @@ def main() -> None:  # pragma: no cover - a report for people; each piece is tes
             print(f"           batch {batch}: {tf}")
     show("ZeRO-3 / FSDP published runs (labkit.planner.zero3), TFLOP/s per GPU", zero3_rows())
     show("ZeRO-3 at a fixed global batch (13B, 4096 sequences): per-layer rings against "
-         "predict(zero=3)'s bucket overlap", zero3_scaling())  # fmt: skip
+         "the bucket overlap charged before", zero3_scaling())  # fmt: skip

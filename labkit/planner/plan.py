@@ -22,7 +22,8 @@ time (one iteration)
     all-reduces, pp comm (on the critical path), a tied embedding's gradient all-reduce over the
     pipeline's ends (``cfg.tie_weights``), dp comm (every collective ``space.wire_bytes`` lists,
     per micro-batch or per step, gradients at ``precision.wire_bytes``; exposed, or behind
-    backward up to the last bucket with ``dp_overlap``), optimizer (and offload's PCIe traffic).
+    backward up to the last bucket with ``dp_overlap``; ZeRO-3 at p = 1 with ``dp_overlap``:
+    FSDP's per-block schedule, ``zero3.py``), optimizer (and offload's PCIe traffic).
     ``efficiency=`` instead runs the old single constant (``single_constant.py``: every FLOP at
     that fraction of peak, 16-bit dp traffic), kept as the negative control.
 Each group's link class follows from the rank order (``links.py``).
@@ -62,6 +63,7 @@ from labkit.planner.space import (
 from labkit.planner.stages import stage_cut
 from labkit.planner.steptime import step_time
 from labkit.planner.tp_overlap import decomposed_tp_comm
+from labkit.planner.zero3 import zero3_schedule
 
 __all__ = [
     "MEGATRON_MIXED", "WORKSPACE_BYTES", "ZERO_STAGES", "Candidate", "Prediction",
@@ -146,6 +148,11 @@ def predict(
         if tp_overlap == "decomposed":  # re-price the blocks' tp term (tp_overlap.py)
             tp = decomposed_tp_comm(time["tp_comm"], L, h, s // cand.cp, cluster, cand, m)
             time = {**time, "tp_comm": tp}
+        if dp_overlap and cand.zero == 3 and cand.pp == 1 and moe is None and (
+                cand.cp, cand.ep, cand.shard_group) == (1, 1, "dp"):  # fmt: skip
+            # FSDP's schedule: per-block rings, prefetch, per-step latency (zero3.py)
+            z = zero3_schedule(cfg, cluster, cand, m, precision, order, attention)
+            time = {**time, "dp_comm": z["gather"] + z["reduce_scatter"]}
     else:  # the old single constant, kept as the negative control (single_constant.py)
         time = single_constant_time(cfg, cluster, cand, m, psi=psi, efficiency=efficiency,
                                     bubble=bubble, order=order,
