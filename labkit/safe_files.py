@@ -6,17 +6,19 @@ checkpoints. If another user can write the folder, or any folder above it, they 
 symbolic link where labkit is about to write (root then overwrites a file of their choosing),
 or swap the file after it is written and before it is read. So every write goes through here:
 
-* **folders** (:func:`check_folder`): the real path (links resolved once, then never again)
-  is checked component by component with ``os.lstat``: each is owned by root or by this user,
-  and none but the last may be writable by others unless it is sticky (``/tmp`` is ``1777``:
-  others cannot rename what is ours out of it). The folder itself is a directory owned by this
-  user that no one else can write (nor read, unless ``others_may_read``);
+* **folders** (:func:`check_folder`): the real path (links above the folder resolved once,
+  the folder itself never a link) is checked component by component with ``os.lstat``: each
+  is owned by root or by this user, and none above the folder may be writable by others
+  unless it is sticky (``/tmp`` is ``1777``: others cannot rename what is ours out of it). The
+  folder itself is a directory owned by this user that no one else can write (nor read,
+  unless ``others_may_read``);
 * **new folders** (:func:`make_private_dir`): ``os.mkdir`` then ``fchmod`` to the mode asked
   for, so the mode never depends on the umask (under umask 002 a plain mkdir gives 0775);
 * **new files** (:func:`open_private`, :func:`write_private`, :func:`replace_private`):
   ``O_CREAT | O_EXCL | O_NOFOLLOW`` in a checked folder: a file that already exists, link or
   not, is never opened for writing; the mode is set with ``fchmod`` (umask-independent).
-  Appending (``"a"``) opens an existing file only when ``fstat`` says it is a regular file of
+  Appending (``"a"``), or reading and writing in place (:func:`open_shared_fd`: a file the
+  ranks of one job share), opens an existing file only when ``fstat`` says it is a regular file of
   this user with one link and no write access for others.
 
 A check that fails raises :class:`UnsafePathError` (a ``PermissionError``) naming the path,
@@ -26,17 +28,19 @@ what is wrong and how to fix it. Each check is a few ``lstat`` calls (microsecon
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["UnsafePathError", "check_folder", "check_private_dir", "make_private_dir",
-           "open_private", "write_private", "replace_private"]  # fmt: skip
+           "open_private", "open_shared_fd", "write_private", "replace_private"]  # fmt: skip
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_EXCL, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
+_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_EXCL, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+          "rw": os.O_RDWR | os.O_CREAT}  # fmt: skip
 
 
 class UnsafePathError(PermissionError):
@@ -93,8 +97,10 @@ def _check_ancestors(real: Path, what: str) -> None:
 
 def check_folder(path: str | Path, *, others_may_read: bool = True, what: str = "folder") -> Path:
     """The real path of an existing folder fit to write into (see the module doc): it and
-    every folder above it checked. Returns the resolved path: use it, not ``path``."""
-    real = Path(os.path.realpath(path))
+    every folder above it checked. Links above it are resolved (once); the folder itself must
+    not be a link. Returns the resolved path: use it, not ``path``."""
+    path = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(path.parent)) / path.name
     _check_ancestors(real, what)
     check_private_dir(real, others_may_read=others_may_read, what=what)
     return real
@@ -136,16 +142,28 @@ def make_private_dir(
     return real
 
 
-def _open_fd(path: str | Path, mode: str, perm: int, what: str) -> int:
+def _open_fd(path: str | Path, mode: str, perm: int, what: str, overwrite: bool = False) -> int:
     if perm & 0o022:
         raise ValueError(f"open_private: mode {perm:04o} lets others write {path}")
     kind = mode.replace("b", "").replace("x", "w")
-    if kind not in _FLAGS or len(mode) > 2:
+    if kind not in _FLAGS or len(mode) > 2 or (kind == "rw" and mode != "rw"):
         raise ValueError(f"open_private: mode {mode!r} is not one of w, wb, x, xb, a, ab")
     path = Path(path)
     folder = check_folder(path.parent, others_may_read=True, what=what)
     target = folder / path.name
-    fd = os.open(target, _FLAGS[kind] | _NOFOLLOW | _CLOEXEC, 0o600)
+    if overwrite and kind == "w":
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)  # a link goes, never followed; the folder is ours alone
+    try:
+        fd = os.open(target, _FLAGS[kind] | _NOFOLLOW | _CLOEXEC, 0o600)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"labkit creates {target} only as a new file, and "
+                              "something is already there (a file, or a link it never "
+                              "follows): remove it or use a new folder", str(target)) from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise _refuse(target, "it is a symbolic link", f"remove it (rm {target})", "file") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
@@ -163,25 +181,36 @@ def _open_fd(path: str | Path, mode: str, perm: int, what: str) -> int:
 
 
 def open_private(
-    path: str | Path, mode: str = "wb", *, perm: int = 0o600, what: str = "folder"
-) -> IO[Any]:
+    path: str | Path, mode: str = "wb", *, perm: int = 0o600, overwrite: bool = False,
+    what: str = "folder",
+) -> IO[Any]:  # fmt: skip
     """Open ``path`` for writing in a checked folder, never through a link: ``"w"``/``"wb"``
-    (same as ``"x"``/``"xb"``) create it new (``FileExistsError`` when it exists); ``"a"``/
-    ``"ab"`` append, creating it when missing. The file's mode is ``perm`` (umask-independent).
-    Text modes are UTF-8."""
-    fd = _open_fd(path, mode, perm, what)
+    (same as ``"x"``/``"xb"``) create it new (``FileExistsError`` when it exists, unless
+    ``overwrite``: whatever is there is removed first, a link included, never followed);
+    ``"a"``/``"ab"`` append, creating it when missing. The file's mode is ``perm``
+    (umask-independent). Text modes are UTF-8."""
+    fd = _open_fd(path, mode, perm, what, overwrite)
     if "b" in mode:
         return os.fdopen(fd, "ab" if "a" in mode else "wb")
     return os.fdopen(fd, "a" if "a" in mode else "w", encoding="utf-8")
 
 
+def open_shared_fd(path: str | Path, *, perm: int = 0o600, what: str = "folder") -> int:
+    """A raw descriptor for reading and writing ``path`` in place (``pread``/``pwrite``,
+    ``lockf``), created when missing: for a file the processes of one job share. No link is
+    followed, and an existing file must pass the same checks as for appending."""
+    return _open_fd(path, "rw", perm, what)
+
+
 def write_private(
-    path: str | Path, data: bytes | str, *, perm: int = 0o600, sync: bool = False
-) -> Path:
+    path: str | Path, data: bytes | str, *, perm: int = 0o600, sync: bool = False,
+    overwrite: bool = False,
+) -> Path:  # fmt: skip
     """Create ``path`` new (exclusive, no link followed, mode ``perm``) holding ``data``
-    (str: UTF-8); ``sync``: fsync before returning. Returns ``path``."""
+    (str: UTF-8); ``sync``: fsync before returning; ``overwrite``: as for
+    :func:`open_private`. Returns ``path``."""
     raw = data.encode() if isinstance(data, str) else data
-    with open_private(path, "wb", perm=perm) as f:
+    with open_private(path, "wb", perm=perm, overwrite=overwrite) as f:
         f.write(raw)
         if sync:
             f.flush()

@@ -257,3 +257,76 @@ def test_a_jobs_temp_files_live_in_its_private_run_folder() -> None:
     assert _worker_env(cfg, "id", deep).get("TMPDIR") == os.environ.get("TMPDIR")
     mine = LaunchConfig(world_size=2, env={"TMPDIR": "/somewhere"})
     assert _worker_env(mine, "id", default_root())["TMPDIR"] == "/somewhere"  # the user's wins
+
+
+# ---- a live run is never pruned; a new log folder gets its mode (issue 34, defects 4 and 6) --
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def _prune_under_me(root: str) -> bool:
+    """In a rank: make this live run look like an old one (2 hours, 30 newer runs beside it),
+    prune as the next launch() would, and say whether the run folder survived."""
+    from labkit.launch.runs import prune_old_runs
+
+    [run] = [p for p in Path(root).iterdir() if not p.name.startswith("newer-")]
+    for i in range(30):
+        os.mkdir(Path(root) / f"newer-{i:02d}")
+    _age(run, 7200)
+    prune_old_runs(Path(root))
+    return run.is_dir()
+
+
+def test_a_live_run_is_never_pruned_and_a_finished_one_is(tmp_path):
+    """Before: prune_old_runs judged by mtime alone, deleted the live run's folder, and the
+    job, whose rank had finished, failed at its end (no result file)."""
+    from labkit.launch.runs import prune_old_runs
+
+    root = tmp_path / "runs"
+    assert launch(_prune_under_me, str(root), world_size=1, log_dir=root, quiet=True) == [True]
+    [run] = [p for p in root.iterdir() if not p.name.startswith("newer-")]
+    _age(run, 7200)  # the job is over: the same folder, just as old, goes now
+    assert prune_old_runs(root) == [run.name]
+    assert len(list(root.iterdir())) == 30  # the newest 30 stay
+
+
+def test_a_live_worlds_run_is_never_pruned(runs_root):
+    from labkit.launch.runs import prune_old_runs
+
+    world = World(1, backend="gloo")
+    try:
+        assert world.run(_tiny) == [1]
+        [run] = runs_root.iterdir()
+        for i in range(30):
+            os.mkdir(runs_root / f"newer-{i:02d}")
+        _age(run, 7200)
+        prune_old_runs(runs_root)
+        assert run.is_dir()
+        assert world.run(_tiny) == [1]  # the world goes on
+    finally:
+        world.close()
+    _age(run, 7200)
+    prune_old_runs(runs_root)
+    assert not run.exists()  # negative control: closed, it goes
+
+
+def test_a_new_log_dir_gets_its_mode_whatever_the_umask(tmp_path, monkeypatch):
+    """Under umask 002 a plain mkdir made the log folder 0775, which the check then refused."""
+
+    def stop_here(*args, **kwargs):
+        raise RuntimeError("stopped before the first process")
+
+    monkeypatch.setattr(subprocess, "Popen", stop_here)
+    logs = tmp_path / "new" / "logs"
+    old = os.umask(0o002)
+    try:
+        with pytest.raises(RuntimeError, match="stopped before"):
+            launch(_tiny, world_size=1, log_dir=logs)
+    finally:
+        os.umask(old)
+    [run] = [p for p in logs.iterdir() if p.is_dir()]
+    modes = [stat.S_IMODE(p.stat().st_mode) for p in (logs.parent, logs, run, run / "job.pkl")]
+    assert modes == [0o755, 0o755, 0o700, 0o600]

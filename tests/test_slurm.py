@@ -29,6 +29,7 @@ from labkit.cluster.slurm import (
     slurm_unavailable,
 )
 from tests.conftest import processes_tagged
+from tests.test_hygiene import _a_link, _someone_elses
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "slurm" / "threed.sbatch"
@@ -184,3 +185,131 @@ def test_a_sigkilled_caller_leaves_nothing(job_tag):
     while left() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left() == []
+
+
+# ---- bad arguments, other users' folders, failed starts (issue 34, defects 3 and 5) ---------
+
+
+def _no_process(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+@pytest.mark.parametrize("nodes", [0, -1, 2.0, True])
+def test_bad_nodes_are_refused_before_anything_starts(nodes, monkeypatch):
+    _no_process(monkeypatch)  # (before: slurm_cluster(0) started the reaper and slurmctld)
+    with pytest.raises(ValueError, match=rf"nodes must be an int .* got nodes={nodes!r}"):
+        with slurm_cluster(nodes):
+            pass
+
+
+def _others_can_write(run: Path) -> str:
+    run.mkdir(mode=0o700)
+    run.chmod(0o777)
+    return r"others can write it \(mode 0777\)"
+
+
+def _parent_others_can_write(run: Path) -> str:
+    run.parent.chmod(0o777)
+    return rf"others can write the folder above it, {run.parent} \(mode 0777\)"
+
+
+@pytest.mark.parametrize("make", [_others_can_write, _parent_others_can_write, _someone_elses,
+                                  _a_link])  # fmt: skip
+def test_a_run_dir_another_user_controls_is_refused_before_anything_starts(
+    make, tmp_path, monkeypatch
+):
+    run = tmp_path / "box" / "run"
+    run.parent.mkdir(mode=0o700)
+    problem = make(run)
+    _no_process(monkeypatch)
+    with pytest.raises(PermissionError, match=rf"refuses the Slurm run folder .*: {problem}"):
+        with slurm_cluster(1, run_dir=run):
+            pass
+    assert not any(p.name == "slurm.conf" for p in tmp_path.rglob("*"))  # nothing written
+
+
+def test_a_run_dir_with_files_in_it_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "hosts").symlink_to(tmp_path / "victim")  # what a planted link looks like
+    _no_process(monkeypatch)
+    with pytest.raises(ValueError, match=r"is not empty \(it holds hosts\)"):
+        with slurm_cluster(1, run_dir=tmp_path):
+            pass
+    assert not (tmp_path / "victim").exists()
+
+
+def _fake_network(monkeypatch, tmp_path: Path, on_create) -> None:
+    """Everything up to the first daemon, without root: no namespaces, /etc/netns in tmp."""
+    from labkit.cluster import slurm
+
+    monkeypatch.setattr(slurm, "slurm_unavailable", lambda: None)
+    monkeypatch.setattr(slurm, "NETNS_ETC", tmp_path / "etc-netns")
+    monkeypatch.setattr(netns, "sweep_stale", lambda: [])
+    monkeypatch.setattr(netns, "create", on_create)
+    monkeypatch.setattr(netns, "remove", lambda plan: None)
+    monkeypatch.setattr(slurm.subprocess, "run", lambda *a, **k: None)
+
+    def no_daemons(*args, **kwargs):
+        raise RuntimeError("stopped before the first daemon")
+
+    monkeypatch.setattr(slurm, "Lifeline", no_daemons)
+
+
+def test_a_link_planted_in_the_run_dir_is_never_followed(tmp_path, monkeypatch, job_tag):
+    """Should another user get into the run folder after the check (they cannot: it is
+    checked private), every file is still created new and no link is followed: the victim
+    stays as it was. Before: ``write_text`` followed the link and overwrote it as root."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+
+    def plant(plan) -> None:
+        for name in ("hosts", "slurm.conf", "munge.key"):
+            (run / name).symlink_to(victim)
+
+    _fake_network(monkeypatch, tmp_path, plant)
+    with pytest.raises(FileExistsError, match=r"creates .*/run/hosts only as a new file"):
+        with slurm_cluster(1, run_dir=run, env={"LABKIT_TEST_TAG": job_tag}):
+            pass
+    assert victim.read_text() == "precious\n"
+    _reapers_gone(job_tag)
+
+
+def _reapers_gone(job_tag: str) -> None:
+    deadline = time.monotonic() + 10
+    while processes_tagged(job_tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [" ".join(p.cmdline()) for p in processes_tagged(job_tag)] == []
+
+
+@pytest.mark.parametrize("where", ["own_folder", "plan"])
+def test_failed_starts_leave_no_reaper_alive(where, tmp_path, monkeypatch, job_tag):
+    """A start that fails right after the reaper started (the first steps inside the cleanup's
+    reach) ends the reaper too: 3 failed calls, no reaper left (before: 3 reapers alive)."""
+    from labkit.cluster import slurm
+    from labkit.cluster.slurm_reaper import Reaper
+
+    def fail(*args, **kwargs):
+        raise OSError(f"injected failure in {where}")
+
+    _fake_network(monkeypatch, tmp_path, lambda plan: None)
+    if where == "own_folder":
+        monkeypatch.setattr(Reaper, "own_folder", fail)
+    else:
+        monkeypatch.setattr(slurm.NetnsPlan, "new", fail)
+    started = []
+    real_init = Reaper.__init__
+
+    def counted(self, env=None):
+        real_init(self, env)
+        started.append(self.proc.pid)
+
+    monkeypatch.setattr(Reaper, "__init__", counted)
+    for _ in range(3):
+        with pytest.raises(OSError, match=f"injected failure in {where}"):
+            with slurm_cluster(1, env={"LABKIT_TEST_TAG": job_tag}):
+                pass
+    assert len(started) == 3  # negative control: each call did start a reaper
+    _reapers_gone(job_tag)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from labkit.cluster.spec import NodeTopology
+from labkit.safe_files import open_shared_fd
 
 __all__ = ["ArrivalBoard", "LateWork", "charged_collectives", "flat_ring_cost", "nbytes_of"]
 
@@ -157,7 +158,7 @@ class ArrivalBoard:
         if fd is None:
             tag = hashlib.sha1(name.encode()).hexdigest()[:16]  # any group name, a safe file name
             path = self.prefix.with_name(f"{self.prefix.name}.arrivals.{tag}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_shared_fd(path)  # the run's folder, checked; no link followed
             if os.fstat(fd).st_size < 16 * p * self.SLOTS:  # growing to one size: never shrinks
                 os.ftruncate(fd, 16 * p * self.SLOTS)
             self.files[name] = fd

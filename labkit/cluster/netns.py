@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labkit.launch.runs import check_private
+from labkit.safe_files import make_private_dir, replace_private
 
 RECORDS = Path("/run/labkit-cluster")
 NETNS_DIR = Path("/var/run/netns")
@@ -120,30 +120,16 @@ def _process_id(pid: int) -> str:
 
 
 def _records() -> Path:
-    """The records folder, created mode 0700; refused when others can write it."""
-    RECORDS.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(RECORDS, 0o700)
-    check_private(RECORDS, others_may_read=True)
+    """The records folder, created mode 0700; refused when others can write or read it (or
+    a folder above it: safe_files)."""
+    make_private_dir(RECORDS, 0o700, parents=True, exist_ok=True, what="records folder")
     return RECORDS
 
 
 def write_record(tag: str) -> None:
     """Record that this process creates run ``tag``: whole or not at all (temp + rename)."""
-    folder = _records()
     payload = json.dumps({"creator": _process_id(os.getpid()), "uid": os.geteuid()})
-    tmp = folder / f".{tag}.{os.getpid()}.tmp"  # not a tag: the sweep never reads it
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / tag)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    replace_private(_records() / tag, payload)  # its temporary ".<tag>...": never read as a tag
 
 
 def read_record(tag: str) -> dict[str, Any] | None:

@@ -42,13 +42,14 @@ from pathlib import Path
 
 from labkit.cluster import netns, spec
 from labkit.cluster.netns import NETNS_DIR, NetnsPlan
+from labkit.cluster.slurm_conf import HEAD_ADDR, hosts_file, node_names, slurm_conf
 from labkit.cluster.slurm_reaper import Reaper, sweep_stale_runs
 from labkit.launch.lifeline import RUN_ID_VAR, Lifeline
+from labkit.safe_files import check_folder, make_private_dir, write_private
 
 __all__ = ["SlurmCluster", "hosts_file", "slurm_conf", "slurm_cluster", "slurm_unavailable"]
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "sinfo", "nsenter")
-HEAD_ADDR = "10.77.255.254"  # the controller's address on the run's bridge (nodes: 10.77.0.N)
 NETNS_ETC = Path("/etc/netns")
 _OURS = re.compile(r"^lk-[0-9a-f]{6}-(?:n\d+|sw)$")  # netns.py's namespace names
 
@@ -75,59 +76,6 @@ def sweep_stale_etc() -> list[str]:
             shutil.rmtree(entry, ignore_errors=True)
             gone.append(entry.name)
     return gone
-
-
-def node_names(nodes: int) -> list[str]:
-    return [f"node{i}" for i in range(nodes)]
-
-
-def hosts_file(plan: NetnsPlan) -> str:
-    """``/etc/hosts`` of every namespace of the run: the head and each node by name."""
-    lines = ["127.0.0.1 localhost", f"{HEAD_ADDR} head"]
-    lines += [f"{plan.address(i)} {name}" for i, name in enumerate(node_names(plan.nodes))]
-    return "\n".join(lines) + "\n"
-
-
-def slurm_conf(plan: NetnsPlan, run_dir: Path, cpus: int) -> str:
-    """The run's slurm.conf: munge auth through the run's socket, no cgroups, no accounting,
-    every path in ``run_dir`` (``%n``: the node's name)."""
-    d = run_dir
-    nodes = " ".join(
-        f"NodeName={name} NodeAddr={plan.address(i)} CPUs={cpus} State=UNKNOWN\n"
-        for i, name in enumerate(node_names(plan.nodes))
-    )
-    return f"""ClusterName=labkit
-SlurmctldHost=head({HEAD_ADDR})
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={d}/munge.socket
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={d}/ctld
-SlurmdSpoolDir={d}/spool-%n
-SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd-%n.pid
-SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SchedulerType=sched/builtin
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-ReturnToService=2
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-SlurmctldTimeout=30
-MailProg=/bin/true
-SlurmdTimeout=30
-KillWait=2
-MinJobAge=300
-PlugStackConfig={d}/plugstack.conf
-{nodes}PartitionName=lab Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
 
 
 @dataclass
@@ -191,9 +139,7 @@ class SlurmCluster:
 def _start_munge(
     run: Path, ns: str, lifeline: Lifeline, env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
-    key = run / "munge.key"
-    key.write_bytes(os.urandom(1024))  # a fresh key for this run: nothing else can sign
-    key.chmod(0o400)
+    key = write_private(run / "munge.key", os.urandom(1024), perm=0o400)  # this run's alone
     cmd = ["ip", "netns", "exec", ns, "munged", "--foreground", "--force",
            f"--socket={run}/munge.socket", f"--key-file={key}", f"--pid-file={run}/munged.pid",
            f"--log-file={run}/munged.log", f"--seed-file={run}/munged.seed"]  # fmt: skip
@@ -220,35 +166,59 @@ def _wait_file(path: Path, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _check_args(nodes: int, run_dir: str | Path | None, start_timeout: float) -> Path | None:
+    """Refuse bad arguments before anything starts. A caller's ``run_dir`` must be a folder
+    of this user's that no one else can write, with no folder above it others could swap
+    (labkit.safe_files), and empty: every file of the run is created new in it, as root.
+    Returns its checked real path (created 0700 when missing), or None."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes < 65533:
+        raise ValueError(f"slurm_cluster: nodes must be an int from 1 to 65532 (10.77.0.0/16 "
+                         f"holds the nodes and the head), got nodes={nodes!r}")  # fmt: skip
+    if not start_timeout > 0:
+        raise ValueError(f"slurm_cluster: start_timeout must be > 0 s, got {start_timeout!r}")
+    if run_dir is None:
+        return None
+    if not os.path.lexists(run_dir):
+        return make_private_dir(run_dir, 0o700, parents=True, what="Slurm run folder")
+    run = check_folder(run_dir, others_may_read=True, what="Slurm run folder")
+    there = sorted(p.name for p in run.iterdir())
+    if there:
+        raise ValueError(f"slurm_cluster: run_dir={str(run_dir)!r} is not empty (it holds "
+                         f"{', '.join(there[:5])}): pass a new or empty folder")  # fmt: skip
+    return run
+
+
 @contextlib.contextmanager
 def slurm_cluster(
     nodes: int = 2, run_dir: str | Path | None = None, env: dict[str, str] | None = None,
     start_timeout: float = 60.0,
 ) -> Iterator[SlurmCluster]:  # fmt: skip
     """A Slurm cluster of ``nodes`` emulated nodes for the ``with`` block (see module doc).
+    ``run_dir``: a new or empty folder of the caller's for the run's files (checked, see
+    :func:`_check_args`); by default a private one in the temp folder, removed at the end.
     ``env``: added to every process's environment (a test's tag)."""
+    given = _check_args(nodes, run_dir, start_timeout)
     why = slurm_unavailable()
     if why is not None:
         raise RuntimeError(f"cannot start a Slurm cluster here: {why}")
     netns.sweep_stale()  # first: a stale namespace's /etc/netns entry goes with it below
     sweep_stale_etc()
     sweep_stale_runs()
-    reaper = Reaper(env)  # announced before created: a SIGKILLed caller's objects go at once
-    own_dir = run_dir is None
-    run = reaper.own_folder() if own_dir else Path(str(run_dir))
-    run.mkdir(parents=True, exist_ok=True)
-    run_id = f"slurm-{uuid.uuid4().hex[:8]}"
-    full_env = {**os.environ, **(env or {}), RUN_ID_VAR: run_id,
-                "SLURM_CONF": str(run / "slurm.conf")}  # fmt: skip
     etc: list[Path] = []
-    plan = NetnsPlan.new(nodes, 1e9)
-    spaces = [plan.switch, *(plan.namespace(i) for i in range(nodes))]
-    for ns in spaces:
-        reaper.track("netns", ns)
-        reaper.track("path", NETNS_ETC / ns)
-    reaper.track("path", netns.RECORDS / plan.tag)
+    run: Path | None = None
     clean = False
-    try:
+    reaper = Reaper(env)  # announced before created: a SIGKILLed caller's objects go at once
+    try:  # from here on, every way out ends the reaper (and it reaps when not clean)
+        run = reaper.own_folder() if given is None else given
+        run_id = f"slurm-{uuid.uuid4().hex[:8]}"
+        full_env = {**os.environ, **(env or {}), RUN_ID_VAR: run_id,
+                    "SLURM_CONF": str(run / "slurm.conf")}  # fmt: skip
+        plan = NetnsPlan.new(nodes, 1e9)
+        spaces = [plan.switch, *(plan.namespace(i) for i in range(nodes))]
+        for ns in spaces:
+            reaper.track("netns", ns)
+            reaper.track("path", NETNS_ETC / ns)
+        reaper.track("path", netns.RECORDS / plan.tag)
         netns.create(plan)
         try:
             subprocess.run(["ip", "-n", plan.switch, "addr", "add", f"{HEAD_ADDR}/16", "dev",
@@ -256,14 +226,14 @@ def slurm_cluster(
             # the head talks to itself (clients to slurmctld) over its own loopback
             subprocess.run(["ip", "-n", plan.switch, "link", "set", "lo", "up"], check=True,
                            capture_output=True)  # fmt: skip
-            for ns in spaces:
-                (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
-                etc.append(NETNS_ETC / ns)
-                (NETNS_ETC / ns / "hosts").write_text(hosts_file(plan))
-            (run / "hosts").write_text(hosts_file(plan))
-            (run / "ctld").mkdir(exist_ok=True)
-            (run / "plugstack.conf").write_text("")
-            (run / "slurm.conf").write_text(slurm_conf(plan, run, os.cpu_count() or 1))
+            for ns in spaces:  # new (0755: ip netns exec binds hosts for every user)
+                etc.append(make_private_dir(NETNS_ETC / ns, 0o755, parents=True))
+                write_private(NETNS_ETC / ns / "hosts", hosts_file(plan), perm=0o644)
+            write_private(run / "hosts", hosts_file(plan), perm=0o644)
+            make_private_dir(run / "ctld")
+            write_private(run / "plugstack.conf", "", perm=0o644)
+            write_private(run / "slurm.conf", slurm_conf(plan, run, os.cpu_count() or 1),
+                          perm=0o644)  # fmt: skip
             lifeline = Lifeline(full_env, run_id)
             procs: list[subprocess.Popen[bytes]] = []
             handle = SlurmCluster(plan, run, full_env)
@@ -272,7 +242,7 @@ def slurm_cluster(
                 _wait_file(run / "munge.socket", 10, "munged")
                 daemons = [_on_host(plan.switch, "head", run, "slurmctld -D -i")]
                 for i, name in enumerate(node_names(nodes)):
-                    (run / f"spool-{name}").mkdir(exist_ok=True)
+                    make_private_dir(run / f"spool-{name}")
                     daemons.append(_on_host(plan.namespace(i), name, run, "slurmd -D"))
                 for cmd in daemons:
                     procs.append(subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL,
@@ -294,6 +264,6 @@ def slurm_cluster(
             shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):
             NETNS_ETC.rmdir()  # only when empty: another run's entries stay
-        if own_dir:
+        if given is None and run is not None:
             shutil.rmtree(run, ignore_errors=True)
         reaper.close(clean)  # a teardown cut short: the reaper finishes it

@@ -5,16 +5,16 @@ the caller is one it cannot see: the job's :class:`~labkit.launch.lifeline.Lifel
 kills the daemons and job steps, but nothing removes the run's network namespaces, their
 ``/etc/netns`` entries, its record in ``/run/labkit-cluster`` or its own folder in ``/tmp``.
 
-The **reaper** does. It is this file run as ``python -I -S slurm_reaper.py`` (stdlib only: no
-torch, it starts in milliseconds) in a session of its own and without the job's run id, so
-neither the watchdog nor a terminal's Ctrl-C ends it. The caller *tells it what it creates,
-before creating it*, one line per object on the reaper's stdin (``netns NAME``, ``path
-PATH``); the reaper only reads. When the caller's write end closes (the kernel closes it when
-the caller dies, however it dies), the reaper removes every object it was told of: processes
-left in a namespace, the namespace, then the paths. A caller that tore down itself writes
-``done`` first (:meth:`Reaper.close`), and the reaper exits without touching anything (a
-later run may reuse a name). An object announced but never created costs a failed ``ip`` or
-``rm``: nothing.
+The **reaper** does. It is this file run as ``python -I -S slurm_reaper.py`` (stdlib only, the
+caller's side aside: no torch, it starts in milliseconds) in a session of its own and without
+the job's run id, so neither the watchdog nor a terminal's Ctrl-C ends it. The caller *tells it
+what it creates, before creating it*, one line per object on the reaper's stdin (``netns
+NAME``, ``path PATH``); the reaper only reads. When the caller's write end closes (the kernel
+closes it when the caller dies, however it dies), the reaper removes every object it was told
+of: processes left in a namespace, the namespace, then the paths. A caller that tore down
+itself writes ``done`` first (:meth:`Reaper.close`), and the reaper exits without touching
+anything (a later run may reuse a name). An object announced but never created costs a failed
+``ip`` or ``rm``: nothing.
 
 The **sweep at the next start** (:func:`sweep_stale_runs`) is the fallback for the windows the
 reaper cannot cover (the reaper itself killed, the machine rebooted mid-run): a run folder
@@ -64,10 +64,12 @@ class Reaper:
     def own_folder(self) -> Path:
         """A new private run folder in the temp folder, announced before it is made, with the
         ``creator`` file :func:`sweep_stale_runs` reads."""
+        from labkit.safe_files import make_private_dir, write_private  # the caller's side only
+
         run = Path(tempfile.gettempdir(), f"{RUN_PREFIX}{uuid.uuid4().hex[:12]}")
         self.track("path", run)
-        run.mkdir(mode=0o700)
-        (run / "creator").write_text(process_id(os.getpid()))
+        run = make_private_dir(run, 0o700, what="Slurm run folder")
+        write_private(run / "creator", process_id(os.getpid()))
         return run
 
     def close(self, clean: bool) -> None:

@@ -52,6 +52,7 @@ from labkit.cluster.modeled import (
     nbytes_of,
 )
 from labkit.cluster.spec import EmulatedCluster, NodeTopology
+from labkit.safe_files import open_shared_fd
 
 __all__ = ["LinkClock", "flat_ring_cost", "install", "reserve"]  # flat_ring_cost: re-exported
 
@@ -77,7 +78,7 @@ class LinkClock:
     def __init__(self, path: Path, nodes: int):
         self.nodes = nodes
         self.lock = threading.Lock()
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.fd = open_shared_fd(path)  # the run's folder, checked; no link followed
         with self._locked():
             if os.fstat(self.fd).st_size < 16 * nodes:  # the first rank here zeroes it
                 os.pwrite(self.fd, bytes(16 * nodes), 0)

@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import Dataset
 
 from labkit.data import shipped
+from labkit.safe_files import make_private_dir, write_private
 
 MEAN, STD = 0.1307, 0.3081
 OFFLINE_TRAIN = 8000  # offline split: first 8,000 shipped test images train, the rest validate
@@ -170,15 +171,15 @@ def download(dest: str | Path, mirror: str = MIRROR) -> Path:
     Files already present and valid are not fetched again. Returns ``dest`` for
     ``MNIST(root=dest)``.
     """
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    dest = make_private_dir(dest, 0o755, parents=True, exist_ok=True, what="data folder")
     for split, stems in FILES.items():
         count = 60000 if split == "train" else 10000
         for stem, magic in zip(stems, (IMAGES_MAGIC, LABELS_MAGIC)):
             target = dest / f"{stem}.gz"
             if not _holds(target, magic, count):
                 tmp = target.with_suffix(".part")
-                urllib.request.urlretrieve(mirror + target.name, tmp)  # noqa: S310 - fixed https mirror
+                with urllib.request.urlopen(mirror + target.name) as got:  # noqa: S310 - fixed https mirror
+                    write_private(tmp, got.read(), perm=0o644, overwrite=True)  # no link followed
                 if not _holds(tmp, magic, count):
                     raise IdxError(f"{mirror + target.name}: expected {count} items")
                 tmp.replace(target)

@@ -47,6 +47,7 @@ from labkit.cluster.run import ClusterRun, cluster_network
 from labkit.labs.node_loss_report import DrillReport, analyse
 from labkit.labs.node_loss_train import NodeLossConfig, schedule
 from labkit.launch.lifeline import RUN_ID_VAR, Lifeline
+from labkit.safe_files import make_private_dir, open_private
 
 __all__ = ["RDZV_CONF", "NodeLossConfig", "agent_command", "run_node_loss"]
 
@@ -130,8 +131,7 @@ def run_node_loss(
     ``mode``: the cluster's (``auto``: netns as root, else software). ``env``: added to every
     process's environment (a test's tag). Bad input raises before any process starts."""
     _check(cfg, nodes)
-    work = Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
+    work = make_private_dir(workdir, 0o755, parents=True, exist_ok=True, what="drill folder")
     cfg = replace(cfg, ckpt_dir=str(work / "ckpt"), events=str(work / "events.jsonl"))
     events = Path(cfg.events)
     run_id = f"drill-{uuid.uuid4().hex[:8]}"
@@ -156,7 +156,7 @@ def run_node_loss(
                 prefix = ["ip", "netns", "exec", plan.namespace(node)] if plan else []
                 node_env = {**base, "LABKIT_NODE": str(node),
                             "GLOO_SOCKET_IFNAME": plan.node_if(node) if plan else "lo"}  # fmt: skip
-                with open(work / f"node{node}.log", "wb") as out:
+                with open_private(work / f"node{node}.log", "wb", overwrite=True) as out:
                     agents.append(subprocess.Popen(
                         prefix + cmd, cwd=ROOT, env=node_env, stdout=out,
                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -182,7 +182,7 @@ def run_node_loss(
 
 
 def _log_kill(events: Path, node: int) -> None:
-    with open(events, "a") as f:
+    with open_private(events, "a") as f:
         f.write(json.dumps({"t": time.monotonic(), "event": "kill", "node": node}) + "\n")
 
 

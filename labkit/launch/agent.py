@@ -15,6 +15,7 @@ import cloudpickle
 from labkit.launch.config import _JOB_FILE, LaunchConfig
 from labkit.launch.rank import _set_pdeathsig, _worker, _write_json_atomic
 from labkit.launch.runs import check_run_dir
+from labkit.safe_files import write_private
 
 
 def _agent_main(run_dir: str, parent_pid: int) -> int:
@@ -68,6 +69,6 @@ def _agent_main(run_dir: str, parent_pid: int) -> int:
         _write_json_atomic(run / "agent_failures.json", {"failures": died})
         return 1
     except Exception as exc:  # noqa: BLE001 - the launcher reads error.N.json for details
-        (run / "agent_error.txt").write_text(f"{type(exc).__name__}: {exc}")
+        write_private(run / "agent_error.txt", f"{type(exc).__name__}: {exc}")
         return 1
     return 0

@@ -30,6 +30,7 @@ from labkit.launch.lifeline import Lifeline, _running
 from labkit.launch.report import _dump_stacks, _error_records, _final_failure, _root_cause
 from labkit.launch.runs import new_run_dir, prune_old_runs, runs_root
 from labkit.launch.shipping import _dumps, _worker_env
+from labkit.safe_files import write_private
 
 # The agent's first act, while it is single-threaded: import torch once and fork the
 # forkserver the ranks will fork from (zygote.py), instead of a second interpreter importing it.
@@ -244,8 +245,9 @@ def launch(
 
     root = runs_root(cfg.log_dir)  # private to this user, checked (see runs.py)
     prune_old_runs(root)
-    run = new_run_dir(root)
+    run, live = new_run_dir(root)  # held (never pruned) until the job ends
     with contextlib.ExitStack() as network:
+        network.callback(live.release)  # last: the results are read before the run is prunable
         # An emulated cluster's network exists for the job's life only (see labkit.cluster).
         cluster = None
         if cfg.cluster is not None:
@@ -258,11 +260,11 @@ def launch(
             raise TypeError(
                 f"cannot send fn and args to the ranks (pickling failed): {exc}"
             ) from exc
-        (run / _JOB_FILE).write_bytes(payload)
+        write_private(run / _JOB_FILE, payload)
 
         job = _Job(cfg, run)
         try:
             job.watch()
         finally:
             job.stop()
-    return job.results()
+        return job.results()

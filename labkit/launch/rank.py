@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from labkit.launch.config import _JOB_FILE, LaunchConfig, choose_backend
 from labkit.launch.runs import check_run_dir
+from labkit.safe_files import open_private, replace_private
 
 _PR_SET_PDEATHSIG = 1
 
@@ -154,9 +155,7 @@ def _is_collateral(exc: BaseException) -> bool:
 
 
 def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    replace_private(path, json.dumps(payload), sync=False)  # whole or absent, no link followed
 
 
 def _error_record(rank: int, exc: BaseException, *, pending: bool = False) -> dict[str, Any]:
@@ -220,9 +219,9 @@ def _worker(run_dir: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    stack_file = open(run / f"stack.{rank}.txt", "w")  # noqa: SIM115 - lives as long as the rank
+    stack_file = open_private(run / f"stack.{rank}.txt", "a")  # lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    (run / f"pid.{rank}").write_text(str(os.getpid()))
+    replace_private(run / f"pid.{rank}", str(os.getpid()), sync=False)  # a restart rewrites it
     _report_before_teardown(run, rank)
 
     check_run_dir(run)  # as the agent did: nothing is unpickled from a folder others can write
@@ -239,10 +238,8 @@ def _worker(run_dir: str) -> None:
         if cluster is not None:
             cluster.install(run)
         result = job["fn"](*job["args"])
-        partial = run / f"result.{rank}.pkl.tmp"
-        with open(partial, "wb") as f:
-            cloudpickle.dump(_to_cpu(result), f)
-        os.replace(partial, run / f"result.{rank}.pkl")  # the caller never reads half a result
+        # the caller never reads half a result (replace), nor one through a planted link
+        replace_private(run / f"result.{rank}.pkl", cloudpickle.dumps(_to_cpu(result)), sync=False)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the rank exits
         _report(run, rank, exc)
         sys.stdout.flush()

@@ -7,10 +7,13 @@ that holds them, runs code as the launching user (as root, for a netns cluster).
 * the runs root is per user, ``<tempdir>/labkit-runs-<uid>``, created mode 0700;
 * every use checks it with ``os.lstat`` (a symbolic link is never followed): a real directory,
   owned by this user, that no one else can write (the default root: no access for anyone
-  else, mode ``& 0o077 == 0``); and its parent, when others can write there, must be sticky
-  (``/tmp`` is ``1777``), so that no one else can rename the root away after the check;
+  else, mode ``& 0o077 == 0``); and every folder above it is root's or this user's and, when
+  others can write there, sticky (``/tmp`` is ``1777``), so that no one else can rename the
+  root away after the check (:mod:`labkit.safe_files` does the checks and the writes);
 * each run is a fresh ``mkdtemp`` (mode 0700, a name no one could have created first) inside;
-* the agent checks its run folder again before it unpickles anything (:func:`check_run_dir`).
+* the agent checks its run folder again before it unpickles anything (:func:`check_run_dir`);
+* the launching process holds an ``flock`` on the run's ``live.lock`` while the run lives
+  (:class:`LiveRun`): old runs are pruned by age and count, but never a live one.
 
 A folder that fails a check is refused with a :class:`PermissionError` that names the path,
 what is wrong and how to fix it; nothing is ever loaded from it.
@@ -19,13 +22,18 @@ what is wrong and how to fix it; nothing is ever loaded from it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
-import stat
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import IO, Any
+
+from labkit.safe_files import UnsafePathError, check_private_dir, make_private_dir, open_private
+
+LIVE_LOCK = "live.lock"  # flocked by the launching process for the run's life
 
 
 def default_root() -> Path:
@@ -33,69 +41,47 @@ def default_root() -> Path:
     return Path(tempfile.gettempdir()) / f"labkit-runs-{os.geteuid()}"
 
 
-def _refuse(path: Path, problem: str, fix: str) -> PermissionError:
-    return PermissionError(
-        f"labkit refuses the runs folder {path}: {problem}. Another user could replace the "
-        f"job files that labkit unpickles (and so run code as you). Fix: {fix}"
-    )
-
-
 def check_private(path: Path, *, others_may_read: bool = False) -> None:
     """Raise unless ``path`` is a real directory (not a link) owned by this user that no one
-    else can write (nor read, unless ``others_may_read``)."""
-    st = os.lstat(path)
-    uid = os.geteuid()
-    if stat.S_ISLNK(st.st_mode):
-        raise _refuse(path, "it is a symbolic link", f"remove the link (rm {path})")
-    if not stat.S_ISDIR(st.st_mode):
-        raise _refuse(path, "it is not a directory", f"remove it (rm {path})")
-    if st.st_uid != uid:
-        raise _refuse(
-            path,
-            f"it is owned by uid {st.st_uid}, not by you (uid {uid})",
-            "remove it (as its owner or root), or pass log_dir= a folder of your own",
-        )
-    mode = stat.S_IMODE(st.st_mode)
-    forbidden = 0o022 if others_may_read else 0o077
-    if mode & forbidden:
-        who = "others can write it" if mode & 0o022 else "others can read it"
-        wanted = "go-w" if others_may_read else "700"
-        raise _refuse(path, f"{who} (mode {mode:04o})", f"chmod {wanted} {path}")
-
-
-def _check_parent(path: Path) -> None:
-    """Others who can write the parent may rename ``path`` away, unless the parent is sticky."""
-    parent = path.parent
-    st = os.stat(parent)
-    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
-        raise _refuse(
-            path,
-            f"its parent {parent} is writable by everyone and not sticky "
-            f"(mode {stat.S_IMODE(st.st_mode):04o})",
-            f"chmod +t {parent}, or point TMPDIR (or log_dir=) at a folder of your own",
-        )
+    else can write (nor read, unless ``others_may_read``): :func:`labkit.safe_files.
+    check_private_dir`, worded for a runs folder."""
+    check_private_dir(path, others_may_read=others_may_read, what="runs folder")
 
 
 def runs_root(log_dir: Path | None = None) -> Path:
     """The checked root of this user's runs: ``log_dir`` when given (others may read it, never
-    write it), else :func:`default_root` (private, created mode 0700 on first use)."""
+    write it; created mode 0755 whatever the umask), else :func:`default_root` (private,
+    created mode 0700 on first use). Every folder above it is checked too (safe_files)."""
     if log_dir is not None:
-        root = Path(log_dir).resolve()  # the user chose it: follow their links, check the target
-        root.mkdir(parents=True, exist_ok=True)
-        check_private(root, others_may_read=True)
-        return root
-    root = default_root()
-    _check_parent(root)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(root, 0o700)
-    check_private(root)
-    return root
+        chosen = Path(log_dir).resolve()  # the user's choice: follow their links, check it
+        return make_private_dir(chosen, 0o755, parents=True, exist_ok=True, what="runs folder")
+    return make_private_dir(default_root(), 0o700, exist_ok=True, what="runs folder")
 
 
-def new_run_dir(root: Path, kind: str = "") -> Path:
-    """A fresh run folder (mode 0700) in ``root``, named by time: ``[kind-]YYYYmmdd-HHMMSS-``."""
+class LiveRun:
+    """The launching process's hold on its run folder: an exclusive ``flock`` on
+    ``<run>/live.lock`` for as long as the run lives. :func:`prune_old_runs` never deletes a
+    run whose lock is held; the kernel drops it when the holder dies, however (SIGKILL too),
+    so a killed launcher's run becomes prunable. The file is close-on-exec: the agent and the
+    ranks never hold it."""
+
+    def __init__(self, run: Path) -> None:
+        self.file: IO[Any] | None = open_private(run / LIVE_LOCK, "wb", what="runs folder")
+        fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: free
+
+    def release(self) -> None:
+        """The run is finished: from now on it may be pruned."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def new_run_dir(root: Path, kind: str = "") -> tuple[Path, LiveRun]:
+    """A fresh run folder (mode 0700) in ``root``, named by time: ``[kind-]YYYYmmdd-HHMMSS-``,
+    and the caller's :class:`LiveRun` hold on it (release it when the run ends)."""
     prefix = kind + time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6] + "-"
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    run = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # 0700, a name no one made first
+    return run, LiveRun(run)
 
 
 def check_run_dir(run: Path) -> None:
@@ -105,12 +91,38 @@ def check_run_dir(run: Path) -> None:
     check_private(run.parent, others_may_read=True)
 
 
-def prune_old_runs(root: Path, keep: int = 30, min_age_s: float = 3600.0) -> None:
-    """Delete all but the newest ``keep`` run folders, never one touched in the last hour
-    (a concurrent launch may still be writing there)."""
+def is_live(run: Path) -> bool:
+    """Whether some process holds ``run``'s :class:`LiveRun` lock (a folder without one is
+    finished: a run of an older labkit, or a launch that failed before taking it)."""
+    try:
+        fd = os.open(run / LIVE_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def prune_old_runs(root: Path, keep: int = 30, min_age_s: float = 3600.0) -> list[str]:
+    """Delete finished run folders beyond the newest ``keep``: never a live one (its lock is
+    held, :func:`is_live`), never one touched in the last ``min_age_s`` (a launch may be
+    between ``mkdtemp`` and taking its lock). Returns the names deleted."""
+    gone = []
     with contextlib.suppress(OSError):
         runs = sorted(root.iterdir(), key=lambda p: p.lstat().st_mtime)
         now = time.time()
-        for old in runs[:-keep]:
-            if now - old.lstat().st_mtime > min_age_s and old.is_dir() and not old.is_symlink():
+        for old in runs[:-keep] if keep else runs:
+            if old.is_symlink() or not old.is_dir() or now - old.lstat().st_mtime <= min_age_s:
+                continue
+            if not is_live(old):
                 shutil.rmtree(old, ignore_errors=True)
+                gone.append(old.name)
+    return gone
+
+
+__all__ = ["LIVE_LOCK", "LiveRun", "UnsafePathError", "check_private", "check_run_dir",
+           "default_root", "is_live", "new_run_dir", "prune_old_runs", "runs_root"]  # fmt: skip

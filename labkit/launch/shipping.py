@@ -22,6 +22,7 @@ import cloudpickle.cloudpickle as _cp
 
 from labkit.launch.config import LaunchConfig
 from labkit.launch.lifeline import RUN_ID_VAR
+from labkit.safe_files import make_private_dir
 
 __all__ = ["_dumps", "_worker_env"]
 
@@ -88,6 +89,6 @@ def _worker_env(cfg: LaunchConfig, run_id: str, run_dir: Path | None = None) -> 
     # the forkserver listens on TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, a Unix socket path
     # limited to 107 bytes: a run folder too deep for that keeps the system's temp folder
     if tmp is not None and len(str(tmp)) + len("/pymp-12345678/listener-12345678") < 107:
-        tmp.mkdir(mode=0o700, exist_ok=True)
+        make_private_dir(tmp, 0o700, exist_ok=True)  # umask-independent, checked
         env["TMPDIR"] = str(tmp)
     return env

@@ -22,10 +22,11 @@ from labkit.launch.config import LaunchConfig
 from labkit.launch.launcher import _worker_env
 from labkit.launch.lifeline import Lifeline
 from labkit.launch.report import _stderr_tail
-from labkit.launch.runs import new_run_dir, runs_root
+from labkit.launch.runs import LiveRun, new_run_dir, runs_root
 from labkit.launch.world_rank import END_MARK, RANK_BOOTSTRAP
 from labkit.launch.world_zygote import BOOTSTRAP as ZYGOTE_BOOTSTRAP
 from labkit.launch.world_zygote import ForkedRank, read_status
+from labkit.safe_files import open_private
 
 # Fork the ranks from one zygote (Linux: /proc tells the zygote it is single-threaded), or start
 # each as its own interpreter. benchmarks/bench_launch.py and the tests run both.
@@ -42,6 +43,7 @@ class _Ranks:
     conns: list[Connection]
     store: Any
     zygote: subprocess.Popen[bytes] | None = None  # the ranks' parent, where they are forked
+    live: LiveRun | None = None  # the run folder is live (never pruned) until stop()
     # (rank, "out"/"err", a line of text, or None for the end mark of the call numbered last)
     lines: queue.Queue[tuple[int, str, str | None, int]] = field(default_factory=queue.Queue)
     tails: list[collections.deque[str]] = field(default_factory=list)
@@ -52,11 +54,11 @@ class _Ranks:
         """Start ``cfg.world_size`` ranks (they join the group on a TCPStore served here)."""
         import torch.distributed as dist
 
-        run = new_run_dir(runs_root(), "world-")  # private to this user (runs.py)
+        run, live = new_run_dir(runs_root(), "world-")  # private to this user (runs.py)
         store = dist.TCPStore(cfg.host, 0, cfg.world_size, is_master=True, wait_for_workers=False)
         env = _worker_env(cfg, run.name, run)
         env["LABKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
-        ranks = cls(run, Lifeline(env, run.name), [], [], store)
+        ranks = cls(run, Lifeline(env, run.name), [], [], store, live=live)
         try:
             ranks._start(cfg, env)
         except BaseException:
@@ -194,7 +196,7 @@ class _Ranks:
 
 def _pump(stream: Any, rank: int, tag: str, ranks: _Ranks) -> None:
     """Forward a rank's lines; an end-of-call mark becomes ``(rank, tag, None, call)``."""
-    with open(ranks.run / f"rank{rank}.std{tag}.log", "ab") as log:
+    with open_private(ranks.run / f"rank{rank}.std{tag}.log", "ab") as log:
         for raw in iter(stream.readline, b""):
             log.write(raw)
             line = raw.decode(errors="replace")
@@ -229,3 +231,5 @@ def stop(holder: list[_Ranks | None]) -> None:
     deadline = time.monotonic() + 2.0
     for t in ranks.pumps:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
+    if ranks.live is not None:
+        ranks.live.release()  # finished: prunable from now on

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.launch.rank import _error_record, _to_cpu
+from labkit.safe_files import open_private, replace_private
 
 # A rank started as its own interpreter (``python -c``; where ranks are not forked, world_zygote)
 RANK_BOOTSTRAP = (
@@ -177,9 +178,9 @@ def rank_main(fd: int, rank: int, world_size: int, backend: str, store: str, run
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a native crash prints the stack
     run = Path(run_dir)
-    stack_file = open(run / f"stack.{rank}.txt", "a")  # noqa: SIM115 - appended per dump
+    stack_file = open_private(run / f"stack.{rank}.txt", "a")  # appended per dump
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    (run / f"pid.{rank}").write_text(str(os.getpid()))
+    replace_private(run / f"pid.{rank}", str(os.getpid()), sync=False)
     conn = Connection(fd)
     if backend == "gloo":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -33,7 +33,10 @@ shared machine); ``other`` is the median of each step's unclaimed remainder.
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -42,6 +45,8 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, record_function
+
+from labkit.safe_files import make_private_dir
 
 __all__ = [
     "CATEGORIES",
@@ -241,6 +246,11 @@ def format_table(breakdowns: Sequence[Breakdown], title: str = "") -> str:
 def export_trace(prof: profile, path: str | Path) -> Path:
     """Write the Chrome/Perfetto trace: open it at ui.perfetto.dev or chrome://tracing."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
+    folder = make_private_dir(path.parent, 0o755, parents=True, exist_ok=True, what="trace folder")
+    scratch = Path(tempfile.mkdtemp(dir=folder))  # new and 0700: torch opens its file in there
+    try:
+        prof.export_chrome_trace(str(scratch / path.name))
+        os.replace(scratch / path.name, folder / path.name)  # replaces a link, never follows it
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return path
