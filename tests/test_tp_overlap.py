@@ -269,3 +269,30 @@ def test_bad_shapes_raise_on_every_rank_and_a_failure_leaves_the_group_usable(wo
             else:
                 assert off[what].startswith("PeerFailed") and "rank 0" in off[what]
         assert all(off["after"])
+
+
+def _timeline() -> Any:
+    from labkit.measure.tp_overlap import layer_timeline
+
+    return layer_timeline((2, 16, 32, 48), impl="ring")
+
+
+def test_every_transfer_is_posted_before_its_chunk_is_multiplied() -> None:
+    """The overlap itself: at every ring step with a message, "post" comes before "compute"
+    and the wait after "computed" (an implementation that waited first would fail)."""
+    for events in run_ranks(_timeline, world_size=2, timeout=120):
+        at = {(ph, st, what): t for ph, st, what, t in events}
+        assert {ph for ph, _, _ in at} == {"ag_fwd", "rs_fwd", "ag_bwd", "rs_bwd"}
+        posted = [(ph, st) for ph, st, what in at if what == "post"]
+        assert len(posted) == 4  # t - 1 = 1 message step per decomposed collective
+        for ph, st in posted:
+            compute_step = st if ph.startswith("ag") else st + 1  # rs: under the next GEMM
+            assert at[(ph, st, "post")] <= at[(ph, compute_step, "compute")]
+            assert at[(ph, compute_step, "computed")] <= at[(ph, st, "waited")]
+
+
+def test_profile_intervals_union_and_overlap() -> None:
+    from labkit.measure.tp_overlap import _overlap_s, _union
+
+    assert _union([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0)]) == [(0.0, 2.0), (3.0, 4.0)]
+    assert _overlap_s([(0.0, 2.0), (3.0, 4.0)], [(1.0, 3.5)]) == 1.5
