@@ -28,9 +28,13 @@ def _spans(events: list[tuple[str, int, str, float]]) -> list[tuple[str, int, st
     return out
 
 
-def draw_ring_trace(per_rank: list[list[tuple[str, int, str, float]]], ax: Any = None) -> Any:
+def draw_ring_trace(
+    per_rank: list[list[tuple[str, int, str, float]]], ax: Any = None,
+    colours: dict[str, str] | None = None, title: str | None = None,
+) -> Any:  # fmt: skip
     """``per_rank[r]``: rank r's ``RingStats.events`` (seconds from a common barrier).
-    Returns the figure."""
+    ``colours``: one per phase (default forward/backward); ``title``. Returns the figure."""
+    colours = colours or _COLOURS
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -38,7 +42,7 @@ def draw_ring_trace(per_rank: list[list[tuple[str, int, str, float]]], ax: Any =
     for r, events in enumerate(per_rank):
         for ph, st, kind, t0, t1 in _spans(events):
             y, hgt = (r + 0.35, 0.45) if kind == "compute" else (r + 0.1, 0.18)
-            ax.broken_barh([(t0 * 1e3, (t1 - t0) * 1e3)], (y, hgt), color=_COLOURS[ph],
+            ax.broken_barh([(t0 * 1e3, (t1 - t0) * 1e3)], (y, hgt), color=colours[ph],
                            alpha=0.9 if kind == "compute" else 0.45)  # fmt: skip
             if kind == "compute":
                 ax.text((t0 + t1) / 2 * 1e3, y + hgt / 2, str(st), ha="center", va="center",
@@ -47,9 +51,9 @@ def draw_ring_trace(per_rank: list[list[tuple[str, int, str, float]]], ax: Any =
         [r + 0.45 for r in range(len(per_rank))], [f"rank {r}" for r in range(len(per_rank))]
     )
     ax.set_xlabel("ms since the common barrier")
-    ax.set_title("ring attention: compute (thick, step number) over K/V transfer (thin)")
+    ax.set_title(title or "ring attention: compute (thick, step number) over K/V transfer (thin)")
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=c, label=p) for p, c in _COLOURS.items()], loc="upper right",
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in colours.items()], loc="upper right",
               fontsize=8)  # fmt: skip
     return ax.figure

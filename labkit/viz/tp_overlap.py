@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from labkit.viz.context_parallel import _spans
+from labkit.viz.context_parallel import draw_ring_trace
 
 __all__ = ["draw_exposed", "draw_profile", "draw_tp_timeline"]
 
@@ -29,26 +29,12 @@ PHASES = {
 def draw_tp_timeline(per_rank: list[list[tuple[str, int, str, float]]], ax: Any = None) -> Any:
     """``per_rank[r]``: rank r's events (``measure.tp_overlap.layer_timeline``). The figure."""
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.9 * len(per_rank) + 1.4))
-    for r, events in enumerate(per_rank):
-        for ph, st, kind, t0, t1 in _spans(events):
-            colour = PHASES[ph][0]
-            y, hgt = (r + 0.35, 0.45) if kind == "compute" else (r + 0.1, 0.18)
-            ax.broken_barh([(t0 * 1e3, (t1 - t0) * 1e3)], (y, hgt), color=colour,
-                           alpha=0.9 if kind == "compute" else 0.45)  # fmt: skip
-            if kind == "compute":
-                ax.text((t0 + t1) / 2 * 1e3, y + hgt / 2, str(st), ha="center", va="center",
-                        fontsize=7, color="white")  # fmt: skip
-    ax.set_yticks(
-        [r + 0.45 for r in range(len(per_rank))], [f"rank {r}" for r in range(len(per_rank))]
-    )
+        _, ax = plt.subplots(figsize=(10, 0.9 * len(per_rank) + 1.2))
+    title = "overlapped SP layer: chunk GEMMs (thick, step) over ring transfers (thin)"
+    draw_ring_trace(per_rank, ax, {ph: c for ph, (c, _) in PHASES.items()}, title)
     ax.set_xlabel("ms since the first ring event")
-    ax.set_title("overlapped SP layer: chunk GEMMs (thick, step) over ring transfers (thin)")
-    ax.legend(handles=[Patch(color=c, label=lab) for c, lab in PHASES.values()], fontsize=7,
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)  # fmt: skip
     return ax.figure
 
 
