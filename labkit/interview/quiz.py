@@ -15,7 +15,11 @@ hint, recognised when the learner's answer equals their value; for an ``ordered`
 choices, a wrong rung is told whether it is below or above the one that fits first. ``why`` is
 shown once the
 answer is right. Numeric answers pass within ``rel_tol`` (0: exact, for counts); choice
-answers must be one of ``choices`` (at least three, or the prompt asks why).
+answers must be one of ``choices``. A conceptual question (choices, not a ladder) offers at
+least four, and its hint points at the reasoning without naming or paraphrasing the answer.
+Every scenario also asks what to ask first, what the choice trades and what to fall back on:
+``kind`` is ``"clarify"``, ``"tradeoff"`` or ``"fallback"`` for those (``""`` otherwise);
+``tests/test_quiz_rules.py`` holds the bank to these rules.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 __all__ = [
     "BANK_PATH",
+    "KINDS",
     "Drawn",
     "Question",
     "QUESTIONS",
@@ -41,6 +46,7 @@ __all__ = [
 
 BANK_PATH = Path(__file__).resolve().parent / "questions.json"
 DEFAULT_REL_TOL = 0.02
+KINDS = ("", "clarify", "tradeoff", "fallback")
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Question:
     rel_tol: float = DEFAULT_REL_TOL
     mistakes: tuple[tuple[str, str], ...] = ()  # (wrong expression, its hint)
     ordered: bool = False  # the choices are a ladder (DDP, ZeRO-1, ...): the first that fits
+    kind: str = ""  # "clarify", "tradeoff" or "fallback" (a scenario's interview moves), or ""
 
     @property
     def topic(self) -> str:
@@ -157,6 +164,9 @@ def load_questions(path: str | Path = BANK_PATH) -> dict[str, Question]:
             raise ValueError(f"{path}: question {item.get('id', '?')!r} lacks {missing}")
         if item["id"] in out:
             raise ValueError(f"{path}: duplicate question id {item['id']!r}")
+        if item.get("kind", "") not in KINDS:
+            raise ValueError(f"{path}: question {item['id']!r} has kind {item['kind']!r}, "
+                             f"not one of {KINDS}")  # fmt: skip
         choices = item.get("choices")
         out[item["id"]] = Question(
             item["id"],
@@ -166,12 +176,15 @@ def load_questions(path: str | Path = BANK_PATH) -> dict[str, Question]:
             item["look"],
             item["why"],
             # a drawn value may be a list (a sample of numbers): a tuple, so draws can be cached
-            {k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
-             for k, v in item.get("params", {}).items()},  # fmt: skip
+            {
+                k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                for k, v in item.get("params", {}).items()
+            },  # fmt: skip
             tuple(choices) if choices else None,
             float(item.get("rel_tol", DEFAULT_REL_TOL)),
             tuple((m["solution"], m["hint"]) for m in item.get("mistakes", ())),
             bool(item.get("ordered", False)),
+            item.get("kind", ""),
         )
     return out
 
