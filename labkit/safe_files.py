@@ -157,9 +157,13 @@ def _open_fd(path: str | Path, mode: str, perm: int, what: str, overwrite: bool 
     try:
         fd = os.open(target, _FLAGS[kind] | _NOFOLLOW | _CLOEXEC, 0o600)
     except FileExistsError:
-        raise FileExistsError(errno.EEXIST, f"labkit creates {target} only as a new file, and "
-                              "something is already there (a file, or a link it never "
-                              "follows): remove it or use a new folder", str(target)) from None
+        raise FileExistsError(
+            errno.EEXIST,
+            f"labkit creates {target} only as a new file, and "
+            "something is already there (a file, or a link it never "
+            "follows): remove it or use a new folder",
+            str(target),
+        ) from None
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise

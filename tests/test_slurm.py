@@ -200,9 +200,9 @@ def _no_process(monkeypatch) -> None:
 @pytest.mark.parametrize("nodes", [0, -1, 2.0, True])
 def test_bad_nodes_are_refused_before_anything_starts(nodes, monkeypatch):
     _no_process(monkeypatch)  # (before: slurm_cluster(0) started the reaper and slurmctld)
-    with pytest.raises(ValueError, match=rf"nodes must be an int .* got nodes={nodes!r}"):
-        with slurm_cluster(nodes):
-            pass
+    cluster = slurm_cluster(nodes)
+    with pytest.raises(ValueError, match=rf"nodes must be an int .* got nodes={nodes!r}"), cluster:
+        pass
 
 
 def _others_can_write(run: Path) -> str:
@@ -225,18 +225,19 @@ def test_a_run_dir_another_user_controls_is_refused_before_anything_starts(
     run.parent.mkdir(mode=0o700)
     problem = make(run)
     _no_process(monkeypatch)
-    with pytest.raises(PermissionError, match=rf"refuses the Slurm run folder .*: {problem}"):
-        with slurm_cluster(1, run_dir=run):
-            pass
+    cluster = slurm_cluster(1, run_dir=run)
+    message = rf"refuses the Slurm run folder .*: {problem}"
+    with pytest.raises(PermissionError, match=message), cluster:
+        pass
     assert not any(p.name == "slurm.conf" for p in tmp_path.rglob("*"))  # nothing written
 
 
 def test_a_run_dir_with_files_in_it_is_refused(tmp_path, monkeypatch):
     (tmp_path / "hosts").symlink_to(tmp_path / "victim")  # what a planted link looks like
     _no_process(monkeypatch)
-    with pytest.raises(ValueError, match=r"is not empty \(it holds hosts\)"):
-        with slurm_cluster(1, run_dir=tmp_path):
-            pass
+    cluster = slurm_cluster(1, run_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"is not empty \(it holds hosts\)"), cluster:
+        pass
     assert not (tmp_path / "victim").exists()
 
 
@@ -270,9 +271,9 @@ def test_a_link_planted_in_the_run_dir_is_never_followed(tmp_path, monkeypatch, 
             (run / name).symlink_to(victim)
 
     _fake_network(monkeypatch, tmp_path, plant)
-    with pytest.raises(FileExistsError, match=r"creates .*/run/hosts only as a new file"):
-        with slurm_cluster(1, run_dir=run, env={"LABKIT_TEST_TAG": job_tag}):
-            pass
+    cluster = slurm_cluster(1, run_dir=run, env={"LABKIT_TEST_TAG": job_tag})
+    with pytest.raises(FileExistsError, match=r"creates .*/run/hosts only as a new file"), cluster:
+        pass
     assert victim.read_text() == "precious\n"
     _reapers_gone(job_tag)
 
@@ -308,8 +309,8 @@ def test_failed_starts_leave_no_reaper_alive(where, tmp_path, monkeypatch, job_t
 
     monkeypatch.setattr(Reaper, "__init__", counted)
     for _ in range(3):
-        with pytest.raises(OSError, match=f"injected failure in {where}"):
-            with slurm_cluster(1, env={"LABKIT_TEST_TAG": job_tag}):
-                pass
+        cluster = slurm_cluster(1, env={"LABKIT_TEST_TAG": job_tag})
+        with pytest.raises(OSError, match=f"injected failure in {where}"), cluster:
+            pass
     assert len(started) == 3  # negative control: each call did start a reaper
     _reapers_gone(job_tag)

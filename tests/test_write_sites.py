@@ -26,9 +26,7 @@ from __future__ import annotations
 import ast
 import os
 import stat
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -47,10 +45,20 @@ ROOT = Path(labkit.__file__).parent
 HELPER = ROOT / "safe_files.py"
 _WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC"}
 _METHODS = {"write_text", "write_bytes", "touch", "mkdir", "savefig", "export_chrome_trace"}
-_FUNCS = {"os.mkdir", "os.makedirs", "os.symlink", "np.save", "numpy.save",
-          "urllib.request.urlretrieve", "shutil.copy", "shutil.copyfile", "shutil.copy2"}
+_FUNCS = {
+    "os.mkdir",
+    "os.makedirs",
+    "os.symlink",
+    "np.save",
+    "numpy.save",
+    "urllib.request.urlretrieve",
+    "shutil.copy",
+    "shutil.copyfile",
+    "shutil.copy2",
+}
 _SAFE_FACTORIES = {"open_private", "BytesIO"}
 
+# fmt: off
 # "file:function:kind" -> why this write needs no helper. Keep each reason to one line.
 ALLOWED: dict[str, str] = {
     "labkit/profiling/breakdown.py:export_trace:export_chrome_trace":
@@ -71,6 +79,7 @@ PENDING: dict[str, str] = {
 # Sites of the checkpoint package, which the "ckpt" helper of issue 34 routes through
 # labkit.safe_files: delete an entry here when its site is converted.
 CKPT_TODO: dict[str, str] = {}
+# fmt: on
 
 
 def _dotted(node: ast.expr) -> str:
@@ -198,7 +207,7 @@ def test_every_write_in_labkit_goes_through_the_helper_or_is_allowed_with_a_reas
     assert all(reason.strip() and "\n" not in reason for reason in allowed.values())
 
 
-BYPASS = '''
+BYPASS = """
 import os, numpy as np, torch
 from pathlib import Path
 def plant(d, x, obj):
@@ -216,9 +225,9 @@ def plant(d, x, obj):
     open(d / "m", x)
     np.save(d / "n", obj)
     prof.export_chrome_trace(str(d / "o"))
-'''
+"""
 
-THROUGH_THE_HELPER = '''
+THROUGH_THE_HELPER = """
 import io, os, torch
 from labkit.safe_files import make_private_dir, open_private, write_private
 def fine(d, obj):
@@ -231,12 +240,135 @@ def fine(d, obj):
     buf = io.BytesIO()
     torch.save(obj, buf)
     text = "open(d, 'w') and .write_text() in a string, and # os.mkdir(x) in a comment"
-'''
+"""
 
 
 def test_the_scan_flags_each_kind_of_bypass():  # negative control
     kinds = [key.split(":")[-1] for key, _ in scan_source(BYPASS, "planted.py")]
-    assert kinds == ["open", "open", "write_text", "write_bytes", "mkdir", "makedirs",
-                     "mkdir", "os.open", "torch.save", "open", "open", "save", "export_chrome_trace"]  # fmt: skip
+    assert kinds == [
+        "open",
+        "open",
+        "write_text",
+        "write_bytes",
+        "mkdir",
+        "makedirs",
+        "mkdir",
+        "os.open",
+        "torch.save",
+        "open",
+        "open",
+        "save",
+        "export_chrome_trace",
+    ]
     assert {key.split(":")[1] for key, _ in scan_source(BYPASS, "planted.py")} == {"plant"}
     assert scan_source(THROUGH_THE_HELPER, "fine.py") == []
+
+
+# ---- the helper itself: each check with its negative control ---------------------------------
+
+
+@pytest.fixture
+def box(tmp_path) -> Path:
+    """A private folder (0700) and a victim file outside it that a planted link points at."""
+    (tmp_path / "victim").write_text("precious\n")
+    box = tmp_path / "box"
+    box.mkdir(mode=0o700)
+    return box
+
+
+def test_a_planted_link_is_never_written_through(box):
+    victim = box.parent / "victim"
+    (box / "link").symlink_to(victim)
+    with pytest.raises(FileExistsError, match="only as a new file"):
+        write_private(box / "link", "x")
+    with pytest.raises(UnsafePathError, match="it is a symbolic link"):
+        open_private(box / "link", "a")
+    replace_private(box / "link", "new")  # the link itself is replaced, never followed
+    assert victim.read_text() == "precious\n"
+    assert not (box / "link").is_symlink() and (box / "link").read_text() == "new"
+    assert sorted(p.name for p in box.iterdir()) == ["link"]  # no temporary file left
+    with pytest.raises(FileExistsError):  # negative control: an ordinary file is not clobbered
+        write_private(box / "link", "x")
+    write_private(box / "link", "x", overwrite=True)  # unless asked
+    assert (box / "link").read_text() == "x"
+
+
+def test_appending_refuses_a_file_others_could_write_or_a_second_link(box):
+    (box / "log").write_text("a\n")
+    with open_private(box / "log", "a") as f:  # negative control: an ordinary file of ours
+        f.write("b\n")
+    assert (box / "log").read_text() == "a\nb\n"
+    os.chmod(box / "log", 0o666)
+    with pytest.raises(UnsafePathError, match=r"others can write it \(mode 0666\)"):
+        open_private(box / "log", "a")
+    os.chmod(box / "log", 0o600)
+    os.link(box / "log", box.parent / "elsewhere")
+    with pytest.raises(UnsafePathError, match="links 2"):
+        open_private(box / "log", "ab")
+    with pytest.raises(UnsafePathError, match="links 2"):
+        from labkit.safe_files import open_shared_fd
+
+        open_shared_fd(box / "log")
+
+
+def test_folders_others_can_write_or_own_are_refused(box):
+    write_private(box / "ok", "x")  # negative control: a private folder is fine
+    box.chmod(0o777)
+    with pytest.raises(UnsafePathError, match=r"box: others can write it \(mode 0777\)"):
+        write_private(box / "a", "x")
+    box.chmod(0o700)
+    box.parent.chmod(0o777)  # the folder above: someone could rename box and put theirs there
+    with pytest.raises(UnsafePathError, match=r"others can write the folder above it"):
+        write_private(box / "b", "x")
+    box.parent.chmod(0o1777)  # sticky, like /tmp: others cannot move our entries
+    write_private(box / "c", "x")
+    if os.geteuid() == 0:
+        os.chown(box.parent, 12345, -1)
+        with pytest.raises(UnsafePathError, match=r"is owned by uid 12345"):
+            check_folder(box)
+        os.chown(box.parent, 0, -1)
+        os.chown(box, 12345, -1)
+        with pytest.raises(UnsafePathError, match=r"box: it is owned by uid 12345"):
+            write_private(box / "d", "x")
+    assert not (box / "a").exists() and not (box / "b").exists()
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o022, 0o077])
+def test_modes_do_not_depend_on_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        deep = make_private_dir(tmp_path / "a" / "b", 0o755, parents=True)
+        private = make_private_dir(tmp_path / "p")
+        write_private(deep / "f", "x", perm=0o644)
+        replace_private(private / "g", "x")
+    finally:
+        os.umask(old)
+    modes = [stat.S_IMODE(p.stat().st_mode) for p in
+             (tmp_path / "a", deep, private, deep / "f", private / "g")]  # fmt: skip
+    assert modes == [0o755, 0o755, 0o700, 0o644, 0o600]
+    with pytest.raises(ValueError, match="lets others write"):
+        make_private_dir(tmp_path / "q", 0o775)
+    with pytest.raises(FileExistsError):
+        make_private_dir(private)
+    assert make_private_dir(private, exist_ok=True) == private
+    (tmp_path / "l").symlink_to(private)
+    with pytest.raises(UnsafePathError, match="it is a symbolic link"):
+        make_private_dir(tmp_path / "l", exist_ok=True)
+
+
+def test_a_new_folder_never_lands_in_a_folder_others_can_write(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UnsafePathError, match=r"others can write the folder above it"):
+        make_private_dir(shared / "mine")
+    shared.chmod(0o1777)
+    assert stat.S_IMODE(make_private_dir(shared / "mine").stat().st_mode) == 0o700
+
+
+def test_the_helper_imports_only_the_standard_library():
+    """It sits below every floor (tests/test_imports.py): any module of labkit may use it."""
+    tree = ast.parse(HELPER.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert names and {n.split(".")[0] for n in names} <= set(sys.stdlib_module_names), names
