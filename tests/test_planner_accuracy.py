@@ -9,7 +9,6 @@ import pytest
 from labkit.hardware import value
 from labkit.memory.model import MIXED_ADAM
 from labkit.planner.accuracy import (
-    KORTHIKANTI_MICRO_BATCH,
     korthikanti_at_settings,
     revealed_budget,
     sensitivity,
@@ -22,6 +21,7 @@ from labkit.planner.figures import FIGURES, _holds, figure_orders
 from labkit.planner.flops import MEGATRON_TABLE1
 from labkit.planner.memory import MEGATRON_MIXED
 from labkit.planner.plan import Candidate, predict
+from labkit.planner.published import KORTHIKANTI_MICRO_BATCH
 from labkit.planner.roofline import chip_for, stream_time
 from labkit.planner.sc21 import (
     GRAD_ACCUM_STREAMS,

@@ -5,7 +5,7 @@
   planner's candidates and its gap to the first choice; how often the first choice is the
   paper's under the memory budget the paper's own runs reveal; the mean absolute and signed
   error; each row's sensitivity to the constants no measurement here gives.
-* Korthikanti et al. 2022's Table 5 at Table 3's settings (:data:`KORTHIKANTI_MICRO_BATCH`).
+* Korthikanti et al. 2022's Table 5 at Table 3's settings (``published.KORTHIKANTI_MICRO_BATCH``).
 * The same model and layout measured twice, in 2021 (Table 1) and 2022 (Korthikanti's full
   recompute): :func:`stack_gap`, the evidence for where the Table 1 rows stay optimistic.
 * Figures 12-16 (:mod:`labkit.planner.figures`) and ZeRO-3 / FSDP
@@ -21,25 +21,23 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from labkit.planner import roofline
-from labkit.planner.flops import A100_PEAK, MEGATRON_TABLE1, megatron_flops_per_iteration
-from labkit.planner.plan import Candidate, predict
-from labkit.planner.published import KORTHIKANTI_TABLE5
+from labkit.planner.flops import MEGATRON_TABLE1, megatron_flops_per_iteration
+from labkit.planner.published import (
+    KORTHIKANTI_MICRO_BATCH,
+    KORTHIKANTI_TABLE5,
+    korthikanti_rows,
+)
 from labkit.planner.sc21 import (
     TABLE1_SETTINGS,
     sc21_cluster,
-    sc21_model,
     table1_prediction,
     table1_ranked,
     tflops,
 )
 
-__all__ = ["KORTHIKANTI_MICRO_BATCH", "UNMEASURED", "korthikanti_at_settings", "main",
+__all__ = ["UNMEASURED", "korthikanti_at_settings", "main",
            "revealed_budget", "sensitivity", "stack_gap", "table1_errors", "table1_rows",
            "table1_summary"]  # fmt: skip
-
-# Korthikanti et al. 2022 (arXiv 2205.05198), Table 3, last column: micro-batch 4 for the 22B
-# model (global batch 4 on 8 GPUs, dp = 1: one micro-batch a step), 1 for 175B, 530B and 1T.
-KORTHIKANTI_MICRO_BATCH = {"22B": 4, "175B": 1, "530B": 1, "1T": 1}
 
 # The constants the A100 rows need that no measurement here gives, and where each comes from
 UNMEASURED = {
@@ -139,29 +137,17 @@ def sensitivity(step: float = 0.1) -> list[dict[str, object]]:
     return out
 
 
-def _korthikanti_seconds(name: str, recipe: str) -> float:
-    r = next(k for k in KORTHIKANTI_TABLE5 if k.name == name)
-    cfg = sc21_model(r.layers, r.hidden, r.heads)
-    cand = Candidate(r.gpus // (r.tp * r.pp), r.tp, r.pp, KORTHIKANTI_MICRO_BATCH[name],
-                     recompute=recipe, sp=recipe == "selective")  # fmt: skip
-    return predict(cfg, sc21_cluster(r.gpus), r.batch, cand).step_seconds
-
-
 def korthikanti_at_settings() -> list[dict[str, object]]:
-    """Per model and recipe: Table 5's seconds against the planner's at Table 3's settings
-    (micro-batch :data:`KORTHIKANTI_MICRO_BATCH`), the throughput error and the MFU."""
-    out = []
-    for r in KORTHIKANTI_TABLE5:
-        model = megatron_flops_per_iteration(r.batch, 2048, r.layers, r.hidden, 51200,
-                                             recompute=False)  # fmt: skip
-        for recipe, paper in (("full", r.full_s), ("selective", r.selective_s)):
-            ours = _korthikanti_seconds(r.name, recipe)
-            out.append({"model": r.name, "b": KORTHIKANTI_MICRO_BATCH[r.name], "recipe": recipe,
-                        "paper s": paper, "planner s": round(ours, 2),
-                        "error": round(paper / ours - 1, 4),
-                        "paper MFU": round(model / (paper * r.gpus * A100_PEAK), 3),
-                        "planner MFU": round(model / (ours * r.gpus * A100_PEAK), 3)})  # fmt: skip
-    return out
+    """Per model and recipe (:func:`labkit.planner.published.korthikanti_rows`, at Table 3's
+    layout and micro-batch :data:`KORTHIKANTI_MICRO_BATCH`): the paper's seconds against the
+    planner's, the throughput error and the MFU."""
+    return [{"model": r["model"], "b": KORTHIKANTI_MICRO_BATCH[str(r["model"])],
+             "recipe": r["recipe"], "paper s": r["paper s"],
+             "planner s": round(float(str(r["planner s"])), 2),
+             "error": round(float(str(r["paper s"])) / float(str(r["planner s"])) - 1, 4),
+             "paper MFU": round(float(str(r["paper MFU"])), 3),
+             "planner MFU": round(float(str(r["planner MFU"])), 3)}
+            for r in korthikanti_rows()]  # fmt: skip
 
 
 def stack_gap() -> list[dict[str, object]]:
@@ -173,7 +159,8 @@ def stack_gap() -> list[dict[str, object]]:
     for name, i in (("530B", 8), ("1T", 9)):
         row, k = MEGATRON_TABLE1[i], next(r for r in KORTHIKANTI_TABLE5 if r.name == name)
         t1 = row.tflops_per_gpu / tflops(i, table1_prediction(i))
-        t2 = _korthikanti_seconds(name, "full") / k.full_s
+        ours = next(r for r in korthikanti_rows() if (r["model"], r["recipe"]) == (name, "full"))
+        t2 = float(str(ours["planner s"])) / k.full_s
         f2 = megatron_flops_per_iteration(k.batch, 2048, k.layers, k.hidden, 51200)
         out.append({"model": name, "(t, p)": (row.tp, row.pp),
                     "2021 TFLOP/s": row.tflops_per_gpu,

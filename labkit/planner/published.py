@@ -39,10 +39,11 @@ from labkit.planner.flops import (
     selective_hardware_flops,
 )
 from labkit.planner.plan import Candidate, plan, predict
+from labkit.planner.sc21 import sc21_cluster
 from labkit.planner.space import hardware_flops
 
-__all__ = ["KORTHIKANTI_TABLE5", "MEGATRON_README_UTILIZATION", "PUBLISHED_RUNS",
-           "KorthikantiRow", "PublishedRun", "deepspeed_engine_factor",
+__all__ = ["KORTHIKANTI_MICRO_BATCH", "KORTHIKANTI_TABLE5", "MEGATRON_README_UTILIZATION",
+           "PUBLISHED_RUNS", "KorthikantiRow", "PublishedRun", "deepspeed_engine_factor",
            "korthikanti_readme_check", "korthikanti_rows", "published_rows"]  # fmt: skip
 
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5"
@@ -61,7 +62,8 @@ class KorthikantiRow(NamedTuple):
     selective_s: float  # iteration seconds, sequence parallelism + selective recompute
 
 
-# vocabulary 51,200, sequence 2,048, micro-batch 1 (Table 3). How far these seconds are checked:
+# vocabulary 51,200, sequence 2,048, micro-batch :data:`KORTHIKANTI_MICRO_BATCH` (Table 3).
+# How far these seconds are checked:
 # the sequence-parallel + selective column reproduces, through the paper's formulas, every MFU
 # and HFU of :data:`MEGATRON_README_UTILIZATION` to 0.2 points
 # (``korthikanti_readme_check``); of the full-recompute column only 530B is checked, against the
@@ -73,6 +75,9 @@ KORTHIKANTI_TABLE5: tuple[KorthikantiRow, ...] = (
     KorthikantiRow("530B", 128, 20480, 105, 8, 35, 280, 280, 49.05, 37.83),
     KorthikantiRow("1T", 160, 25600, 128, 8, 64, 512, 512, 94.42, 71.49),
 )
+# Table 3's last column: micro-batch 4 for the 22B model (its global batch of 4 on 8 GPUs at
+# dp = 1 is one micro-batch a step), 1 for the three others
+KORTHIKANTI_MICRO_BATCH = {"22B": 4, "175B": 1, "530B": 1, "1T": 1}
 
 
 # The MFU and HFU the Megatron-LM README publishes for the same four models ("measured on
@@ -162,17 +167,19 @@ def _cfg(vocab: int, heads: int, hidden: int, layers: int, attention: str) -> GP
 
 def korthikanti_rows() -> list[dict[str, object]]:
     """Per model and recipe: the paper's seconds, MFU and HFU, and the planner's, at the
-    paper's layout (Megatron 2022's explicit attention, no dp overlap)."""
+    paper's layout and micro-batch (Megatron 2022's explicit attention, no dp overlap; NVLink
+    at the bus bandwidth NCCL reaches, :func:`labkit.planner.sc21.sc21_cluster`)."""
     out = []
     for r in KORTHIKANTI_TABLE5:
         cfg = _cfg(51200, r.heads, r.hidden, r.layers, "explicit")
-        cluster = CLUSTERS["dgx-a100-80gb"].with_nodes(max(1, r.gpus // 8))
+        cluster = sc21_cluster(r.gpus)
         model = megatron_flops_per_iteration(r.batch, 2048, r.layers, r.hidden, 51200,
                                              recompute=False)  # fmt: skip
         for recipe, paper_s in (("full", r.full_s), ("selective", r.selective_s)):
             hw = hardware_flops(cfg, r.batch, recipe)  # the planner's one count of HFU
-            cand = Candidate(dp=r.gpus // (r.tp * r.pp), tp=r.tp, pp=r.pp, micro_batch=1,
-                             recompute=recipe, sp=recipe == "selective")  # fmt: skip
+            cand = Candidate(dp=r.gpus // (r.tp * r.pp), tp=r.tp, pp=r.pp,
+                             micro_batch=KORTHIKANTI_MICRO_BATCH[r.name], recompute=recipe,
+                             sp=recipe == "selective")  # fmt: skip
             ours = predict(cfg, cluster, r.batch, cand).step_seconds
             peak = r.gpus * A100_PEAK
             out.append({
