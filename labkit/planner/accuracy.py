@@ -211,6 +211,6 @@ def main() -> None:  # pragma: no cover - a report for people; each piece is tes
         print(f"  {'agrees ' if f['agrees'] else 'DIFFERS'} {f['figure']}: {f['measured']}")
         for batch, tf in f["TFLOP/s"].items():  # type: ignore[attr-defined]
             print(f"           batch {batch}: {tf}")
-    show("ZeRO-3 / FSDP published runs (labkit.planner.zero3), TFLOP/s per GPU", zero3_rows())
+    show("ZeRO-3 / FSDP published runs (labkit.planner.zero3_runs), TFLOP/s per GPU", zero3_rows())
     show("ZeRO-3 at a fixed global batch (13B, 4096 sequences): per-layer rings against "
          "the bucket overlap charged before", zero3_scaling())  # fmt: skip

@@ -29,7 +29,7 @@ commit of 2021-04-30 of Megatron-LM):
 
 No constant here is fitted to a row of Table 1. The rows' errors, the paper's layout's rank
 among the planner's candidates and the sensitivity to the constants no measurement here gives
-are in :mod:`labkit.planner.sc21_report`.
+are in :mod:`labkit.planner.accuracy`.
 """
 
 from __future__ import annotations
