@@ -202,6 +202,16 @@ LESSONS: tuple[Lesson, ...] = (
         "",
         rehearses=("S6", "K11"),
     ),
+    Lesson(
+        "18_fp8_and_overlap",
+        "FP8 from scratch: e4m3/e5m2 against bf16/fp16, four scaling recipes (tensorwise,"
+        " delayed, rowwise, DeepSeek-V3 tiles) measured on the same GEMMs, an FP8 GPT's"
+        " curve against bf16's seed spread; tensor-parallel communication overlapped with"
+        " its matmuls",
+        ("precision/fp8/", "measure/fp8.py", "labs/fp8_training.py"),
+        "",
+        "",
+    ),
 )
 
 
