@@ -33,39 +33,11 @@ from tests.ranks import run_ranks
 SHAPES = [(2, 16, 32, 48), (3, 24, 40, 48)]
 
 
-def _layers(d: int, o: int, impl: str, overlapped: bool) -> tuple[Any, Any]:
-    from torch import nn
-
-    from labkit.collectives import Comm
-    from labkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from labkit.tensor_parallel.overlap import OverlappedColumnLinear, OverlappedRowLinear
-
-    torch.manual_seed(0)
-    lin1, lin2 = nn.Linear(d, o), nn.Linear(o, d)
-    if overlapped:
-        return OverlappedColumnLinear(lin1, Comm(None, impl)), OverlappedRowLinear(
-            lin2, Comm(None, impl)
-        )
-    return (ColumnParallelLinear(lin1, Comm(None, impl), "gather"),
-            RowParallelLinear(lin2, Comm(None, impl), "reduce_scatter"))  # fmt: skip
-
-
 def _run(shape: tuple[int, int, int, int], impl: str, overlapped: bool) -> list[torch.Tensor]:
     """Output and gradients of column -> ReLU -> row on this rank, 2 backward passes summed."""
-    import torch.distributed as dist
+    from labkit.measure.tp_overlap import layer_outputs
 
-    B, T, d, o = shape
-    r, t = dist.get_rank(), dist.get_world_size()
-    col, row = _layers(d, o, impl, overlapped)
-    g = torch.Generator().manual_seed(1)
-    x, dy = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
-    n = T // t
-    xs = x[:, r * n : (r + 1) * n].clone().requires_grad_()  # (B, T/t, d): this rank's tokens
-    for _ in range(2):  # accumulation: the second backward adds to .grad
-        y = row(torch.relu(col(xs)))
-        y.backward(dy[:, r * n : (r + 1) * n])
-    assert xs.grad is not None
-    return [y.detach(), xs.grad, *(p.grad for p in (*col.parameters(), *row.parameters()))]
+    return layer_outputs(shape, impl, overlapped)
 
 
 def _equality() -> dict[str, Any]:

@@ -15,6 +15,8 @@ reduce-scattered), forward and backward on a (B, T/t, d) shard; 4 collectives of
   its GEMMs (``aten::mm``/``aten::addmm``), and how long communication was in flight while a
   GEMM ran (the union of one intersected with the union of the other). ``path``: also writes
   the Chrome trace (open it in https://ui.perfetto.dev).
+* :func:`layer_outputs`: output and gradients of either layer after 2 accumulated backward
+  passes, to compare bit for bit. :func:`lesson`: everything notebook 18 shows, one launch.
 * :func:`layer_timeline`: the overlapped layer's :class:`~labkit.tensor_parallel.overlap_ring.
   Timeline` (post, compute, computed, waited per ring step), seconds from the first event.
 
@@ -43,7 +45,15 @@ from labkit.tensor_parallel.mappings import all_gather_seq, reduce_scatter_seq
 from labkit.tensor_parallel.overlap import OverlappedColumnLinear, OverlappedRowLinear
 from labkit.tensor_parallel.overlap_ring import Timeline
 
-__all__ = ["Shape", "contenders", "layer_timeline", "measure_overlap", "profile_layer"]
+__all__ = [
+    "Shape",
+    "contenders",
+    "layer_outputs",
+    "layer_timeline",
+    "lesson",
+    "measure_overlap",
+    "profile_layer",
+]
 
 Shape = tuple[int, int, int, int]  # (B, T, d, o): batch, full sequence, hidden, MLP width
 COMM_PREFIX = "gloo:"
@@ -167,3 +177,46 @@ def layer_timeline(
     fn()
     t0 = timeline.events[0][3]
     return [(phase, step, what, at - t0) for phase, step, what, at in timeline.events]
+
+
+def _layers(shape: Shape, impl: str, overlapped: bool) -> tuple[nn.Module, nn.Module]:
+    B, T, d, o = shape
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(d, o), nn.Linear(o, d)
+    comm = Comm(None, impl)
+    if overlapped:
+        return OverlappedColumnLinear(lin1, comm), OverlappedRowLinear(lin2, comm)
+    return ColumnParallelLinear(lin1, comm, "gather"), RowParallelLinear(
+        lin2, comm, "reduce_scatter"
+    )
+
+
+def layer_outputs(shape: Shape, impl: str, overlapped: bool) -> list[torch.Tensor]:
+    """Output, input gradient and every parameter gradient of column -> ReLU -> row on this
+    rank's tokens of one fixed batch, after 2 backward passes accumulated into ``.grad``."""
+    B, T, d, o = shape
+    r, t = dist.get_rank(), dist.get_world_size()
+    col, row = _layers(shape, impl, overlapped)
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
+    n = T // t
+    xs = x[:, r * n : (r + 1) * n].clone().requires_grad_()  # (B, T/t, d): this rank's tokens
+    y = xs
+    for _ in range(2):  # accumulation: the second backward adds to .grad
+        y = row(torch.relu(col(xs)))
+        y.backward(dy[:, r * n : (r + 1) * n])
+    grads = [p.grad for p in (*col.parameters(), *row.parameters())]
+    return [y.detach(), xs.grad, *grads]  # type: ignore[list-item]
+
+
+def lesson(shape: Shape = (4, 256, 256, 1024), steps: int = 6) -> dict[str, Any]:
+    """Notebook 18's run on one rank: bit-equality with the plain layer (labkit's ring,
+    a (2, 16, 32, 48) layer), the timeline, the profile and the interleaved times."""
+    small = (2, 16, 32, 48)
+    pairs = zip(layer_outputs(small, "ring", False), layer_outputs(small, "ring", True))
+    return {
+        "equal": [torch.equal(a, b) for a, b in pairs],
+        "timeline": layer_timeline(shape),
+        "profile": profile_layer(shape),
+        "overlap": measure_overlap(shape, steps),
+    }

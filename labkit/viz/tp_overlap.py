@@ -8,6 +8,8 @@
   overlapped layer: communication spans (gloo's messages, post to completion) over GEMM spans.
 * :func:`draw_exposed`: median seconds per contender, split into the GEMMs' share (compute
   only) and the rest (exposed communication and overheads).
+* :func:`overlap_predictions`: the planner's step per case without tp overlap, decomposed
+  (:mod:`labkit.planner.tp_overlap`) and the whole-GEMM bound, as table rows.
 """
 
 from __future__ import annotations
@@ -16,7 +18,20 @@ from typing import Any
 
 from labkit.viz.context_parallel import draw_ring_trace
 
-__all__ = ["draw_exposed", "draw_profile", "draw_tp_timeline"]
+__all__ = [
+    "OVERLAP_MODES",
+    "draw_exposed",
+    "draw_profile",
+    "draw_tp_timeline",
+    "overlap_predictions",
+]
+
+# the planner's tp_overlap values, as the notebook's table names them
+OVERLAP_MODES: dict[str, bool | str] = {
+    "none": False,
+    "decomposed": "decomposed",
+    "whole-GEMM bound": True,
+}
 
 PHASES = {
     "ag_fwd": ("tab:blue", "forward all-gather -> GEMM"),
@@ -75,3 +90,16 @@ def draw_exposed(result: dict[str, Any], ax: Any = None) -> Any:
     ax.set_xlabel("ms per forward + backward (median)")
     ax.legend(fontsize=7, loc="lower right")
     return ax.figure
+
+
+def overlap_predictions(cases: dict[str, tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Rows (case, mode, tp comm s, step s, MFU) for ``cases[name] = (cfg, cluster,
+    global_batch, candidate)``, one per :data:`OVERLAP_MODES` entry."""
+    from labkit.planner import predict
+
+    rows = []
+    for name, (cfg, cluster, batch, cand) in cases.items():
+        for mode, value in OVERLAP_MODES.items():
+            p = predict(cfg, cluster, batch, cand, tp_overlap=value)
+            rows.append((name, mode, p.time["tp_comm"], p.step_seconds, p.mfu))
+    return rows
