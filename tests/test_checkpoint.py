@@ -67,6 +67,7 @@ def test_layout_metadata_and_partial_reads(reshard_runs):
     ckpt = load_checkpoint(root / "w4", 4)
     assert ckpt.world_size == 4 and ckpt.step == 4
     assert sorted(p.name for p in ckpt.path.iterdir()) == [
+        "commit.json",
         "common.pt",
         "metadata.json",
         *(f"shard_{r:05d}.pt" for r in range(4)),
@@ -117,6 +118,14 @@ def test_damaged_files_give_a_clear_error_naming_the_file(reshard_runs, tmp_path
     assert str(target) in str(err.value)
 
 
+def _reseal(folder: Path) -> None:
+    """Rewrite the commit record for an edited metadata.json (what a forger would do)."""
+    data = (folder / "metadata.json").read_bytes()
+    record = json.loads((folder / "commit.json").read_text())
+    record["metadata.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "commit.json").write_text(json.dumps(record))
+
+
 def test_loading_refuses_arbitrary_pickles_even_with_matching_checksums(tmp_path):
     save_checkpoint(tmp_path, 1, {"w": torch.ones(3)})
     folder = tmp_path / "step_00000001"
@@ -130,6 +139,7 @@ def test_loading_refuses_arbitrary_pickles_even_with_matching_checksums(tmp_path
         "sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
     }
     (folder / "metadata.json").write_text(json.dumps(meta))
+    _reseal(folder)
     with pytest.raises(CheckpointError, match="weights_only"):
         load_checkpoint(tmp_path).rank_state(0, 1)
 
@@ -150,7 +160,11 @@ def test_crash_between_shard_writes_and_commit_keeps_previous_checkpoint(tmp_pat
     assert torch.equal(load_checkpoint(tmp_path).state()["w"], states[2]["w"])
     # the next save of that step cleans the debris, commits, and keeps only the newest 2
     save_checkpoint(tmp_path, 3, states[3], keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest.json",
+        "step_00000002",
+        "step_00000003",
+    ]
     loaded = load_checkpoint(tmp_path).state()
     assert loaded["meta"] == {"step": 3} and torch.equal(loaded["w"], states[3]["w"])
 
@@ -211,7 +225,6 @@ def test_crash_between_the_renames_of_a_resave_keeps_the_good_checkpoint(tmp_pat
     between the two renames must leave step 2 loadable, and the next save must not prune it."""
     import os
 
-
     good, newer = {"w": torch.full((5,), 2.0)}, {"w": torch.full((5,), 20.0)}
     save_checkpoint(tmp_path, 1, {"w": torch.ones(5)}, keep=2)
     save_checkpoint(tmp_path, 2, good, keep=2)
@@ -232,9 +245,17 @@ def test_crash_between_the_renames_of_a_resave_keeps_the_good_checkpoint(tmp_pat
     assert torch.equal(load_checkpoint(tmp_path, 2).state()["w"], good["w"])
     # the next save (keep=2) restores step 2 before pruning: steps 2 and 3 survive, step 1 goes
     save_checkpoint(tmp_path, 3, {"w": torch.full((5,), 3.0)}, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest.json",
+        "step_00000002",
+        "step_00000003",
+    ]
     assert torch.equal(load_checkpoint(tmp_path, 2).state()["w"], good["w"])
-    # and a re-save that completes replaces step 2 and leaves no displaced copy behind
-    save_checkpoint(tmp_path, 2, newer, keep=3)
+    # and a re-save that completes replaces step 2 and leaves no displaced copy behind; step 3
+    # (newer than the re-saved step: an abandoned trajectory) is moved aside, not resumed
+    with pytest.warns(RuntimeWarning, match="step 3 .* moved aside"):
+        save_checkpoint(tmp_path, 2, newer, keep=3)
     assert torch.equal(load_checkpoint(tmp_path, 2).state()["w"], newer["w"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[1:] == ["latest.json", "step_00000002"], names
+    assert names[0].startswith(".abandoned-step_00000003-") and latest_step(tmp_path) == 2

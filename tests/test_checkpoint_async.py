@@ -71,7 +71,11 @@ def test_next_save_waits_for_the_previous_and_keeps_the_newest(tmp_path: Path) -
     saver.wait()
     # each save returned before its write ended, and started only after the previous's
     assert order == ["called 1", "written", "called 2", "written", "called 3", "written"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest.json",
+        "step_00000002",
+        "step_00000003",
+    ]
     assert load_checkpoint(tmp_path).state()["meta"] == {"step": 3}
 
 
@@ -89,7 +93,11 @@ def test_exception_in_the_background_write_keeps_the_last_good(tmp_path: Path, p
     assert latest_step(tmp_path) == 1 and (tmp_path / ".tmp-step_00000002").is_dir()
     assert torch.equal(load_checkpoint(tmp_path).state()["w"], _state(1)["w"])
     AsyncCheckpointer(tmp_path).save(2, _state(2)).wait()  # the retry commits, debris gone
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest.json",
+        "step_00000001",
+        "step_00000002",
+    ]
 
 
 KILLED = """
@@ -165,4 +173,8 @@ def test_two_ranks_save_in_the_background_while_collectives_run(tmp_path: Path) 
     assert ckpt.step == 3 and ckpt.world_size == 2
     assert torch.equal(ckpt.state()["w"], torch.arange(10.0) * 3)
     assert [ckpt.rank_state(r, 2)["rank"].item() for r in (0, 1)] == [0, 1]  # type: ignore[index]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest.json",
+        "step_00000002",
+        "step_00000003",
+    ]

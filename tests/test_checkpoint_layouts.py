@@ -4,13 +4,13 @@ loaded under other layouts, continuing equal to the uninterrupted single-process
 One 4-rank call saves four runs after step 2 (two of them in the background); one 4-rank
 and one 3-rank call resume them under other layouts (``LOADS``: tp 2->4 and 4->1, pp 2 with
 an uneven 3+1 cut -> 4 and -> 3 (2+1+1), dp 2->3 and 1->3 with the ZeRO-1 shards
-repartitioned, all at once both ways, and the same layout, where the RNG streams come back
-too) and run steps 3-4. Every resumed run's full parameters, losses and scaler state equal
-the reference's (lab 08's, one process, the same 6 sequences a step: dp x micro-batches = 6
-in every layout). Negative control: the same resume without the optimizer state lands far
-from the reference. The 4-rank call also loads a checkpoint that DCP wrote from a plain GPT.
-Bad input and damaged files are tested without processes (the resharding arithmetic: in
-tests/test_checkpoint_reshard.py)."""
+repartitioned, all at once both ways, and the same layout, with and without a pipeline cut,
+where the RNG streams come back too) and run steps 3-4. Every resumed run's full
+parameters, losses and scaler state equal the reference's (lab 08's, one process, the same
+6 sequences a step: dp x micro-batches = 6 in every layout). Negative control: the same
+resume without the optimizer state lands far from the reference. The 4-rank call also loads
+a checkpoint that DCP wrote from a plain GPT. Bad input and damaged files are tested without
+processes (the resharding arithmetic: in tests/test_checkpoint_reshard.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ LOADS = {  # (saved, what changes) -> the layout that resumes
         ("dp2tp1pp2-cut31", "pp 2 (cut 3+1) -> 4, dp 2->1, ZeRO 2->1", _cfg(1, 1, 4)),
         ("dp2tp1pp2-cut31", "all at once: dp 2->1, tp 1->4, pp 2->1, ZeRO 2->1", _cfg(1, 4, 1)),
         ("dp1tp2pp2", "all at once: dp 1->2, tp 2->1, pp cut 2+2 -> 1+3", _cfg(2, 1, 2, (1, 3))),
-        ("dp1tp2pp2", "the same layout (RNG restored)", _cfg(1, 2, 2))],
+        ("dp1tp2pp2", "the same layout (RNG restored)", _cfg(1, 2, 2)),
+        ("dp2tp1pp2-cut31", "the same layout, cut 3+1 (RNG restored)", _cfg(2, 1, 2, (3, 1)))],
     3: [("dp1tp4pp1", "tp 4->1, dp 1->3, ZeRO 1->3", _cfg(3, 1, 1)),
         ("dp2tp2pp1", "dp 2->3, ZeRO 2->3, tp 2->1", _cfg(3, 1, 1)),
         ("dp2tp1pp2-cut31", "pp 2->3 uneven (2+1+1), dp 2->1", _cfg(1, 1, 3))],
@@ -201,6 +202,7 @@ def test_bad_input_names_the_tensor_and_both_shapes(matrix, tmp_path) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("damage", ["missing_file", "missing_chunk", "flipped_byte"])
 def test_missing_shard_or_flipped_byte_refused(matrix, tmp_path, damage) -> None:
+    import hashlib
     import json
 
     root = _copy(matrix, tmp_path)
@@ -212,7 +214,11 @@ def test_missing_shard_or_flipped_byte_refused(matrix, tmp_path, damage) -> None
     elif damage == "missing_chunk":
         meta = json.loads((folder / "metadata.json").read_text())
         meta["tensors"][key]["chunks"].pop()
-        (folder / "metadata.json").write_text(json.dumps(meta))
+        data = json.dumps(meta).encode()  # a writer that forgot a chunk: its metadata sealed
+        (folder / "metadata.json").write_bytes(data)
+        record = json.loads((folder / "commit.json").read_text())
+        record["metadata.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        (folder / "commit.json").write_text(json.dumps(record))
         match = rf"tensor '{key}' of shape \(128, 32\): the saved shards cover \d+ of the 4096"
     else:
         data = bytearray((folder / "rank_00003.pt").read_bytes())

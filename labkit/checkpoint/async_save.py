@@ -25,8 +25,11 @@ replicated state, ZeRO slices; read with :func:`labkit.checkpoint.load_checkpoin
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,6 +99,9 @@ class AsyncCheckpointer:
         self.pending: SaveHandle | None = None
         self.abort = threading.Event()
         self._pool: list[torch.Tensor] = []  # snapshot buffers, reused save after save
+        # the writer is a daemon thread (a dead peer must not hang the exit forever), so a
+        # program that ends without finish() would drop the save in flight: finish it at exit
+        atexit.register(_finish_at_exit, weakref.ref(self))
 
     def wait(self) -> Path | None:
         """Wait for the save in flight (re-raising its error); None when there is none."""
@@ -209,6 +215,24 @@ class AsyncCheckpointer:
             return logical.encode(snap, rank)
 
         return self._start(step, write, lambda parts: logical.merge(parts, step))
+
+
+def _finish_at_exit(ref: weakref.ref[AsyncCheckpointer]) -> None:
+    """At interpreter exit: wait for a save still in flight (its commit times out after
+    ``timeout`` s if a peer is gone), and say loudly, naming the step, if it was not written."""
+    saver = ref()
+    pending = None if saver is None else saver.pending
+    if saver is None or pending is None:
+        return
+    if not pending.done():
+        print(f"labkit: the checkpoint of step {pending.step} was still being written at "
+              f"exit (call finish() before the end); waiting for it", file=sys.stderr,
+              flush=True)  # fmt: skip
+    try:
+        pending.wait(saver.timeout)
+    except BaseException as exc:  # noqa: BLE001 - reported, the interpreter is exiting anyway
+        print(f"labkit: WARNING: the checkpoint of step {pending.step} was NOT written: "
+              f"{exc!r}", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def save_logical(root: str | Path, step: int, state: LogicalState, *, keep: int = 3,

@@ -13,8 +13,8 @@ gloo would pair the wrong messages). So the ranks meet through the shared filesy
    ``part_RRRRR.json`` (their sizes and sha256, and what the rank wrote) written under a
    temporary name and renamed: a part file exists only once everything it describes is durable;
 3. :func:`commit` (rank 0, any thread): waits until all ``world_size`` part files exist, merges
-   them into ``metadata.json`` (written last, fsynced), renames the folder to ``step_N`` -- the
-   atomic commit -- and prunes old checkpoints, exactly as ``sharded.py`` describes.
+   them into ``metadata.json`` (written last, fsynced), and publishes the folder as ``step_N``
+   (:func:`labkit.checkpoint.publish.publish`: commit record, rename, ``latest.json``, prune).
 
 A crash at any instant before the rename leaves a ``.tmp-*`` folder that readers ignore, so
 the previous committed step stays the newest; a rank that dies before its part appears makes
@@ -36,13 +36,13 @@ import torch.distributed as dist
 
 from labkit.checkpoint.layout import (
     CheckpointError,
-    commit_folder,
-    fsync_dir,
     prune,
     restore_displaced,
     step_dir,
     write_durable,
 )
+from labkit.checkpoint.publish import publish
+from labkit.safe_files import check_folder, make_private_dir
 
 __all__ = ["Fault", "commit", "part_name", "prepare", "prune", "rank_and_size", "write_part"]
 
@@ -66,10 +66,15 @@ def prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Pat
     rank, world = rank_and_size(group)
     tmp, final = root / f".tmp-step_{step:08d}", step_dir(root, step)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+        # root: the caller's folder, checked (ours, no one else can write it or a folder
+        # above it) or created; tmp: new, 0700, exclusive (safe_files: never through a link)
+        if os.path.lexists(root):
+            check_folder(root, what="checkpoint folder")
+        else:
+            make_private_dir(root, 0o755, parents=True, what="checkpoint folder")
         restore_displaced(root)  # before pruning can count (or delete) anything
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of this step
-        tmp.mkdir()
+        make_private_dir(tmp)
     if world > 1:
         dist.barrier(group)
     return tmp, final
@@ -94,7 +99,10 @@ def _wait_parts(tmp: Path, world: int, timeout: float, abort: threading.Event | 
     while True:
         missing = [r for r, n in enumerate(names) if not (tmp / n).is_file()]
         if not missing:
-            return [json.loads((tmp / n).read_text()) for n in names]
+            try:
+                return [json.loads((tmp / n).read_bytes()) for n in names]
+            except ValueError as exc:
+                raise CheckpointError(f"a part record under {tmp} is unreadable: {exc}") from exc
         if (abort is not None and abort.is_set()) or time.monotonic() > deadline:
             raise CheckpointError(
                 f"not committing {tmp}: ranks {missing} of {world} never wrote their part "
@@ -119,10 +127,8 @@ def commit(
     parts = _wait_parts(tmp, world, timeout, abort)
     meta = merge(parts)
     meta["files"] = {k: v for p in parts for k, v in p["files"].items()}
-    write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
-    fsync_dir(tmp)
+    data = json.dumps(meta, indent=1).encode()
+    write_durable(tmp / "metadata.json", data)
     if fault is not None:
         fault("before_commit")
-    commit_folder(root, tmp, final)
-    prune(root, keep)
-    return final
+    return publish(root, tmp, final, meta["step"], data, keep)

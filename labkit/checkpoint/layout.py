@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 import os
 import re
@@ -22,6 +21,8 @@ from typing import Any
 
 import torch
 
+from labkit.safe_files import open_private
+
 __all__ = [
     "FORMAT",
     "PREV",
@@ -29,14 +30,11 @@ __all__ = [
     "TENSOR",
     "CheckpointError",
     "commit_folder",
-    "committed_folder",
     "committed_steps",
     "fsync_dir",
     "join_tree",
-    "latest_step",
     "load_verified",
     "prune",
-    "read_metadata",
     "restore_displaced",
     "shard_range",
     "split_tree",
@@ -97,7 +95,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_durable(path: Path, data: bytes) -> dict[str, Any]:
     """Write ``data``, flush it to the disk, return its size and sha256 for the metadata."""
-    with open(path, "wb") as f:
+    with open_private(path, "wb") as f:  # exclusive, no link followed, 0600
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -123,12 +121,6 @@ def committed_steps(root: Path) -> dict[int, Path]:
         if m and (p / "metadata.json").is_file():
             found[int(m[1])] = p  # step_N, listed after .prev-step_N, overrides it
     return found
-
-
-def latest_step(root: str | Path) -> int | None:
-    """The newest *committed* checkpoint step under ``root`` (temp folders are ignored)."""
-    root = Path(root)
-    return max(committed_steps(root), default=None) if root.is_dir() else None
 
 
 def restore_displaced(root: Path) -> None:
@@ -171,39 +163,7 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(debris, ignore_errors=True)
 
 
-def committed_folder(root: str | Path, step: int | None = None) -> Path:
-    """The folder of committed step ``step`` (default: the newest) under ``root``: ``step_N``,
-    or ``.prev-step_N`` when a re-save of it crashed between its renames."""
-    root = Path(root)
-    if step is None:
-        step = latest_step(root)
-        if step is None:
-            raise CheckpointError(f"no committed checkpoint (step_*/metadata.json) under {root}")
-    path = step_dir(root, step)
-    if not path.is_dir():
-        path = path.with_name(PREV + path.name)
-    if not path.is_dir():
-        raise CheckpointError(f"no checkpoint folder {step_dir(root, step)}")
-    return path
-
-
 # ------------------------------------------------------------------ verified reads
-def read_metadata(path: Path, fmt: str) -> dict[str, Any]:
-    """``path/metadata.json`` of a checkpoint in format ``fmt``; a clear error otherwise."""
-    meta_file = path / "metadata.json"
-    if not meta_file.is_file():
-        raise CheckpointError(f"checkpoint {path} has no metadata file {meta_file}")
-    try:
-        meta: dict[str, Any] = json.loads(meta_file.read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"metadata file {meta_file} is not valid JSON: {exc}") from exc
-    if meta.get("format") != fmt:
-        raise CheckpointError(
-            f"{meta_file}: unknown format {meta.get('format')!r}, expected {fmt!r}"
-        )
-    return meta
-
-
 def load_verified(
     file: Path, expected: dict[str, Any] | None, holds: str = "", *, verify_only: bool = False
 ) -> Any:

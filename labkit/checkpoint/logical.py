@@ -11,6 +11,7 @@ tensors *are*, not how the run held them, so any other layout can read it
                         (``tp_dim``) and its chunks: ``{file, item, offsets, sizes, flat}``
     rank_RRRRR.pt       rank R's chunks ``{"tensors": {key: [data, ...]}, "rank_state": ...}``
     part_RRRRR.json     what rank R wrote (the commit protocol, :mod:`labkit.checkpoint.commit`)
+    commit.json         the size and sha256 of metadata.json (:mod:`labkit.checkpoint.publish`)
 
 Written once: a rank lists only the chunks it *owns* (:class:`LogicalState`): tensor-parallel
 shards from every tp rank, replicated tensors from tp rank 0, ZeRO ranges from their dp
@@ -22,6 +23,7 @@ against its sha256 first (a flipped byte is refused) and unpickled ``weights_onl
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +31,10 @@ from typing import Any
 
 import torch
 
-from labkit.checkpoint.layout import (
-    CheckpointError,
-    committed_folder,
-    load_verified,
-    read_metadata,
-    to_bytes,
-)
+from labkit.checkpoint.layout import CheckpointError, load_verified, to_bytes
+from labkit.checkpoint.publish import committed_folder, read_record
 from labkit.checkpoint.reshard import Place, plan_read
+from labkit.checkpoint.validate import read_metadata
 
 __all__ = ["FORMAT", "LogicalCheckpoint", "LogicalState", "encode", "load_logical", "merge"]
 
@@ -108,7 +106,7 @@ class LogicalCheckpoint:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.meta: dict[str, Any] = read_metadata(path, FORMAT)
+        self.meta: dict[str, Any] = read_metadata(path, FORMAT, read_record(path))
         self.step: int = self.meta["step"]
         self.world_size: int = self.meta["world_size"]
         self.tensors: dict[str, dict[str, Any]] = self.meta["tensors"]
@@ -166,8 +164,23 @@ class LogicalCheckpoint:
         out = torch.empty(want.numel, dtype=getattr(torch, entry["dtype"]))
         for k, src, dst, n in plan:
             c = entry["chunks"][k]
-            out[dst : dst + n] = self._read(c["file"])["tensors"][key][c["item"]][src : src + n]
+            data = self._chunk(c["file"], key, c["item"], saved[k].numel, out.dtype)
+            out[dst : dst + n] = data[src : src + n]
         return out if dtype is None else out.to(dtype)
+
+    def _chunk(
+        self, name: str, key: str, item: int, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Chunk ``item`` of ``key`` in rank file ``name``: ``numel`` elements of ``dtype``,
+        or a CheckpointError naming the file (it disagrees with the metadata)."""
+        try:
+            data = self._read(name)["tensors"][key][item]
+        except (KeyError, TypeError, IndexError) as exc:
+            raise CheckpointError(f"{self.path / name} lacks chunk {item} of {key!r}") from exc
+        if not isinstance(data, torch.Tensor) or (data.shape, data.dtype) != ((numel,), dtype):
+            raise CheckpointError(f"{self.path / name}: chunk {item} of {key!r} is not "
+                                  f"{numel} elements of {dtype}")  # fmt: skip
+        return data
 
     def full(self, key: str) -> torch.Tensor:
         """Tensor ``key`` whole, at its global shape."""
@@ -177,9 +190,12 @@ class LogicalCheckpoint:
     def rank_state(self, rank: int, layout: dict[str, Any]) -> dict[str, Any] | None:
         """What ``rank`` saved as its own state, when ``layout`` is the one that saved it
         (None otherwise: per-rank streams do not reshard)."""
-        if layout != self.layout:
+        if json.loads(json.dumps(layout)) != self.layout:  # tuples come back from JSON as lists
             return None
-        state: dict[str, Any] = self._read(f"rank_{rank:05d}.pt")["rank_state"]
+        name = f"rank_{rank:05d}.pt"
+        state = self._read(name).get("rank_state") if self.meta["files"].get(name) else None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{self.path / name}: no rank_state for rank {rank}")
         return state
 
 

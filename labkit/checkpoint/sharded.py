@@ -8,6 +8,7 @@ On-disk layout of one checkpoint (``root/step_00000042/``)::
 
     metadata.json     format, step, world_size, sha256 + size of every file, and for every
                       tensor: shape, dtype and which rank holds which flat range [start, end)
+    commit.json       the size and sha256 of metadata.json (``publish.py``)
     common.pt         rank 0: the non-tensor skeleton of the state (optimizer hyper-parameters,
                       scaler, sampler position...) with a placeholder where each tensor was
     shard_00003.pt    rank 3: its slice of every tensor, plus its own per-rank state (RNG)
@@ -23,11 +24,15 @@ size derives its randomness from (seed, step, sample) instead (see :mod:`labkit.
 
 Atomicity (a crash at any instant never destroys the previous good checkpoint):
 
-1. all ranks write into ``root/.tmp-step_00000042/``; each file is fsynced;
-2. rank 0 writes ``metadata.json`` (with every shard's sha256) last, fsyncs it and the folder;
-3. rank 0 renames the folder to ``step_00000042`` -- the commit, atomic on POSIX -- and fsyncs
-   ``root`` so the rename itself is durable; then drops all but the newest ``keep`` checkpoints
-   (renamed to ``.trash-*`` first, so a half-deleted folder never looks like a checkpoint).
+1. all ranks write into ``root/.tmp-step_00000042/`` (new, 0700; files created exclusively,
+   never through a link: :mod:`labkit.safe_files`); each file is fsynced;
+2. rank 0 writes ``metadata.json`` (with every shard's sha256), then ``commit.json`` (the
+   metadata's sha256), fsyncs them and the folder;
+3. rank 0 publishes (:func:`labkit.checkpoint.publish.publish`): moves aside any committed
+   step newer than this one (a resumed run's abandoned trajectory), renames the folder to
+   ``step_00000042``, fsyncs ``root``, points ``root/latest.json`` at it -- the commit -- and
+   drops all but the newest ``keep`` checkpoints up to it (renamed to ``.trash-*`` first, so a
+   half-deleted folder never looks like a checkpoint; never the one just committed).
 
 Re-saving a step that already exists (after resuming from an older one) needs two renames,
 since a folder cannot atomically replace a non-empty one: the old ``step_N`` becomes
@@ -36,9 +41,11 @@ A crash between the two renames leaves only ``.prev-step_N``: readers treat it a
 whenever ``step_N`` is absent, and the next save renames it back before pruning, so no
 instant is without the last good checkpoint.
 
-Readers only ever look at ``step_*`` (and orphaned ``.prev-step_*``) folders, so a crash before
-step 3 leaves a ``.tmp-*`` folder that is ignored (and deleted by the next save's prune).
-Loading checks every file's size and sha256 before unpickling, and unpickles with
+Readers open the step ``latest.json`` names (or one asked for), never a ``.tmp-*`` folder (a
+crash before step 3's rename leaves one: deleted by the next save's prune). Loading checks
+the metadata against ``commit.json`` and field by field (``validate.py``: any fault is a
+:class:`CheckpointError` naming the file), every file's size and sha256 before unpickling,
+and the tensors against the model (:meth:`Checkpoint.expect`), and unpickles with
 ``weights_only=True`` (tensors and plain containers only, never arbitrary code). Every reader
 hashes every file, which is fine at this kit's sizes; at scale each rank would verify only the
 shards it reads. Assumes a filesystem all ranks share.
@@ -59,19 +66,16 @@ from labkit.checkpoint.commit import prepare, rank_and_size
 from labkit.checkpoint.layout import (
     FORMAT,
     CheckpointError,
-    commit_folder,
-    committed_folder,
-    fsync_dir,
     join_tree,
-    latest_step,
     load_verified,
-    prune,
-    read_metadata,
     shard_range,
     split_tree,
     to_bytes,
     write_durable,
 )
+from labkit.checkpoint.match import check_one_to_one
+from labkit.checkpoint.publish import committed_folder, latest_step, publish, read_record
+from labkit.checkpoint.validate import read_metadata
 
 __all__ = [
     "Checkpoint",
@@ -145,10 +149,9 @@ def save_checkpoint(
             ]
         meta = {"format": FORMAT, "step": step, "world_size": world_size, "time": time.time(),
                 "files": files, "tensors": table}  # fmt: skip
-        write_durable(tmp / "metadata.json", json.dumps(meta, indent=1).encode())
-        fsync_dir(tmp)
-        commit_folder(root, tmp, final)
-        prune(root, keep)
+        data = json.dumps(meta, indent=1).encode()
+        write_durable(tmp / "metadata.json", data)
+        publish(root, tmp, final, step, data, keep)
     if distributed:
         dist.barrier(group)  # nobody moves on until the checkpoint is committed
     return final
@@ -160,7 +163,7 @@ class Checkpoint:
 
     def __init__(self, path: Path):
         self.path = path
-        self.meta = read_metadata(path, FORMAT)
+        self.meta = read_metadata(path, FORMAT, read_record(path))
         self.step: int = self.meta["step"]
         self.world_size: int = self.meta["world_size"]
         self._cache: dict[str, Any] = {}
@@ -181,14 +184,35 @@ class Checkpoint:
         that overlap the range: what a rank of a *new* world size asks for."""
         entry = self.meta["tensors"][key]
         end = entry["numel"] if end is None else end
-        pieces = []
+        pieces, dtype = [], getattr(torch, entry["dtype"])
         for rank, s, e in entry["slices"]:
             lo, hi = max(s, start), min(e, end)
             if lo < hi:
-                piece = self._read(f"shard_{rank:05d}.pt")["slices"][key]
+                name = f"shard_{rank:05d}.pt"
+                piece = self._field(name, "slices", key)
+                ok = isinstance(piece, torch.Tensor) and piece.shape == (e - s,)
+                if not ok or piece.dtype != dtype:
+                    raise CheckpointError(f"{self.path / name}: its slice of {key!r} is not "
+                                          f"{e - s} elements of {dtype}")  # fmt: skip
                 pieces.append(piece[lo - s : hi - s])
-        dtype = getattr(torch, entry["dtype"])
         return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+
+    def _field(self, name: str, *keys: str) -> Any:
+        """``file[keys[0]][keys[1]]...`` of a verified file, or a CheckpointError naming it."""
+        obj = self._read(name)
+        try:
+            for k in keys:
+                obj = obj[k]
+        except (KeyError, TypeError, IndexError) as exc:
+            raise CheckpointError(f"{self.path / name} lacks {'/'.join(keys)}: {exc!r}") from exc
+        return obj
+
+    def expect(self, shapes: dict[str, tuple[int, ...]], prefix: str = "") -> None:
+        """Refuse unless the saved tensors under ``prefix`` are exactly ``shapes`` (keys
+        without the prefix), one to one, naming the first that differs."""
+        saved = {k.removeprefix(prefix): tuple(e["shape"])
+                 for k, e in self.meta["tensors"].items() if k.startswith(prefix)}  # fmt: skip
+        check_one_to_one(self.path, saved, shapes)
 
     def tensor(self, key: str) -> torch.Tensor:
         entry = self.meta["tensors"][key]
@@ -196,7 +220,7 @@ class Checkpoint:
 
     def state(self) -> dict[str, Any]:
         """The full replicated state, as it was passed to :func:`save_checkpoint` (on CPU)."""
-        skeleton = self._read("common.pt")["skeleton"]
+        skeleton = self._field("common.pt", "skeleton")
         return join_tree(skeleton, {key: self.tensor(key) for key in self.meta["tensors"]})
 
     def rank_state(self, rank: int, world_size: int) -> dict[str, Any] | None:
@@ -204,7 +228,8 @@ class Checkpoint:
         different world size (per-rank streams do not reshard)."""
         if world_size != self.world_size or not 0 <= rank < world_size:
             return None
-        return self._read(f"shard_{rank:05d}.pt")["rank_state"]
+        state: dict[str, Any] = self._field(f"shard_{rank:05d}.pt", "rank_state")
+        return state
 
 
 def load_checkpoint(root: str | Path, step: int | None = None) -> Checkpoint:

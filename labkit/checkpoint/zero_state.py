@@ -26,18 +26,21 @@ may all differ from the saving run's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from labkit.checkpoint.layout import CheckpointError
 from labkit.checkpoint.logical import LogicalCheckpoint, LogicalState
+from labkit.checkpoint.match import check_one_to_one
 from labkit.checkpoint.reshard import Place, tp_place
 from labkit.zero.partition import Piece, Unit
 from labkit.zero.sharded import ShardedAdamW
 from labkit.zero.stage0 import DDPAdam
 
-__all__ = ["ShardInfo", "collect", "global_shape", "restore"]
+__all__ = ["ShardInfo", "check_model", "collect", "global_shape", "restore"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -107,6 +110,22 @@ def collect(
     return state
 
 
+def check_model(
+    ckpt: LogicalCheckpoint, model: Mapping[str, tuple[int, ...]], aliases: Mapping[str, str]
+) -> None:
+    """The checkpoint's ``model/*`` tensors are ``model``'s parameters (less ``aliases``) one to
+    one, at the same shapes, and its optimizer moments are of those parameters only."""
+    want = {f"model/{n}": tuple(s) for n, s in model.items() if n not in aliases}
+    saved = {k: tuple(e["shape"]) for k, e in ckpt.tensors.items() if k.startswith("model/")}
+    check_one_to_one(ckpt.path, saved, want)
+    for key, e in ckpt.tensors.items():
+        param = f"model/{key.split('/', 2)[-1]}"  # optim/exp_avg/NAME -> model/NAME
+        if key.startswith("optim/") and want.get(param) != tuple(e["shape"]):
+            raise CheckpointError(f"checkpoint {ckpt.path} does not match the model: tensor "
+                                  f"{key!r} {tuple(e['shape'])} is not the state of a "
+                                  f"parameter of the model")  # fmt: skip
+
+
 @torch.no_grad()
 def restore(
     ckpt: LogicalCheckpoint,
@@ -114,10 +133,15 @@ def restore(
     optimizer: ShardedAdamW | None,
     info: ShardInfo,
     *,
+    model: Mapping[str, tuple[int, ...]],
     load_optimizer: bool = True,
 ) -> None:
     """Fill this rank's parameters (and optimizer state) from ``ckpt``, whatever layout
-    wrote it. Refuses a tensor the checkpoint lacks, or of another shape, naming both."""
+    wrote it. ``model``: every parameter of the whole (unsharded) model and its shape -- a
+    rank holds one pipeline stage, so only the whole model can tell that the checkpoint holds
+    exactly its tensors, one to one (:func:`check_one_to_one`; tied copies in
+    ``info.aliases`` are stored once). Refuses the first tensor that differs, naming it."""
+    check_model(ckpt, model, info.aliases)
     name_of = {id(p): n for n, p in named}
     for name, p in named:
         box, _ = _box(p, info)

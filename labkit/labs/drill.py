@@ -136,6 +136,7 @@ def train(cfg: DrillConfig, ckpt_dir: str) -> dict[str, Any]:
     step, resumed_from = 0, None
     if latest_step(ckpt_dir) is not None:
         ckpt = load_checkpoint(ckpt_dir)
+        ckpt.expect({k: tuple(v.shape) for k, v in model.state_dict().items()}, "/model/")
         state = ckpt.state()
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])

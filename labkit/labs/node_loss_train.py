@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from labkit.checkpoint import (
@@ -184,9 +185,11 @@ class _Log:
 
 
 def _resume(
-    ckpt: Checkpoint, rank: int, dp: int
+    ckpt: Checkpoint, model: nn.Module, rank: int, dp: int
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Params (full, replicated) and this rank's ZeRO-1 moments, read from the old shards."""
+    n = sum(p.numel() for p in model.parameters())
+    ckpt.expect({"/params": (n,), "/exp_avg": (n,), "/exp_avg_sq": (n,)})  # this model's, 1:1
     params = ckpt.tensor("/params")  # (P,)
     lo, hi = shard_range(params.numel(), rank, dp)
     m, v = torch.zeros_like(params), torch.zeros_like(params)
@@ -211,7 +214,7 @@ def train(cfg: NodeLossConfig) -> None:
     if latest_step(cfg.ckpt_dir) is not None:
         t0 = time.monotonic()
         ckpt = load_checkpoint(cfg.ckpt_dir)
-        step, params, m, v = _resume(ckpt, rank, dp)
+        step, params, m, v = _resume(ckpt, model, rank, dp)
         vector_to_parameters(params, model.parameters())
         log("resumed", step=step, saved_dp=ckpt.world_size, load_s=time.monotonic() - t0)
     accumulation = schedule(cfg.global_batch, cfg.micro_batch, dp)
@@ -266,7 +269,7 @@ def reference(cfg: NodeLossConfig, dp: int, ckpt: Checkpoint | None = None,
         m, v = torch.zeros_like(params), torch.zeros_like(params)
         start = 0
         if ckpt is not None:
-            start, params, m, v = _resume(ckpt, 0, 1)  # one rank owns the whole range
+            start, params, m, v = _resume(ckpt, model, 0, 1)  # one rank owns the whole range
             vector_to_parameters(params, model.parameters())
         run = replace(cfg, global_batch=global_batch or cfg.global_batch)
         losses = []

@@ -30,23 +30,35 @@ from labkit.checkpoint import (
     load_logical,
     save_logical,
 )
-from labkit.checkpoint.zero_state import ShardInfo, collect, restore
+from labkit.checkpoint.zero_state import ShardInfo, check_model, collect, restore
 from labkit.labs.threed import LabConfig, batch, build_model, checksum
-from labkit.models.gpt import GPT
+from labkit.models.gpt import GPT, GPTConfig
 from labkit.parallel.threed import ThreeD, build_threed
 from labkit.pipeline.executor import pipeline_step
 from labkit.precision import DynamicLossScaler
 from labkit.tensor_parallel import vocab_parallel_cross_entropy
 
-__all__ = ["check_checkpoint", "restore_threed", "shard_info", "threed_state", "train"]
+__all__ = ["check_checkpoint", "model_shapes", "restore_threed", "shard_info", "threed_state",
+           "train"]  # fmt: skip
 
 TIED = {"head.weight": "wte.weight"}  # the head's copy of the tied embedding (a later stage)
 
 
 def _layout(job: ThreeD) -> dict[str, Any]:
+    """The saving layout as JSON will return it (a cut is a list there, not a tuple: compared
+    as a tuple, a same-layout resume with a cut would never get its RNG back)."""
     c = job.cfg
+    cut = None if c.stage_layers is None else list(c.stage_layers)
     return {"dp": c.degrees.dp, "tp": c.degrees.tp, "pp": c.degrees.pp, "zero": c.zero,
-            "virtual": c.virtual, "stage_layers": c.stage_layers}  # fmt: skip
+            "virtual": c.virtual, "stage_layers": cut}  # fmt: skip
+
+
+def model_shapes(model_cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model and its shape (a tied head is not listed twice):
+    built on the meta device, so it costs no memory."""
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
 def shard_info(job: ThreeD) -> ShardInfo:
@@ -70,7 +82,8 @@ def restore_threed(job: ThreeD, ckpt: LogicalCheckpoint, scaler: DynamicLossScal
     """Load ``ckpt`` into this rank's shards; restore the RNG when the layout is the saving
     one. Returns whether it was (per-rank streams do not reshard)."""
     info = shard_info(job)
-    restore(ckpt, job.named_parameters(), job.optimizer, info, load_optimizer=load_optimizer)
+    restore(ckpt, job.named_parameters(), job.optimizer, info, model=model_shapes(job.model_cfg),
+            load_optimizer=load_optimizer)  # fmt: skip
     if scaler is not None and "scaler" in ckpt.objects:  # (a DCP import has none)
         scaler.load_state_dict(ckpt.objects["scaler"])
     mine = ckpt.rank_state(dist.get_rank(), _layout(job))
@@ -83,14 +96,15 @@ def check_checkpoint(cfg: LabConfig, ckpt: LogicalCheckpoint) -> None:
     """Before any process starts: the checkpoint holds this model (every parameter, at its
     shape) and the new layout can hold it (every tensor-parallel cut divides), or a
     ``CheckpointError``/``ValueError`` naming the tensor and the two shapes."""
-    model = GPT(cfg.model)
-    for name, p in model.named_parameters():
+    shapes = model_shapes(cfg.model)
+    for name, shape in shapes.items():
         if name not in TIED or not cfg.model.tie_weights:
-            ckpt.entry(f"model/{name}", tuple(p.shape))
-    expected = {f"model/{n}" for n, _ in model.named_parameters()}
+            ckpt.entry(f"model/{name}", shape)
+    expected = {f"model/{n}" for n in shapes}
     extra = sorted(k for k in ckpt.tensors if k.startswith("model/") and k not in expected)
     if extra:
         raise CheckpointError(f"checkpoint {ckpt.path} holds tensors this model lacks: {extra}")
+    check_model(ckpt, shapes, TIED if cfg.model.tie_weights else {})
     for key, entry in ckpt.tensors.items():
         check_split(key, entry["shape"], entry["tp_dim"], cfg.threed.degrees.tp)
 
@@ -126,6 +140,7 @@ def train(cfg: LabConfig, root: str, save_at: int | None = None, resume: bool = 
     start, rng_restored = 0, False
     if resume:
         ckpt = load_logical(root)
+        check_checkpoint(cfg, ckpt)  # the same model, one to one, and this layout can hold it
         rng_restored, start = restore_threed(job, ckpt, scaler, load_optimizer), ckpt.step
     saver = AsyncCheckpointer(root, background=background)
     d, m = job.dp_rank, t.micro_batches
