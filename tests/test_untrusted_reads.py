@@ -6,7 +6,8 @@ the read, or an anonymous socketpair. (b) is an explicit, commented entry of :da
 
 An AST scan of every module under labkit/ lists each ``pickle``/``cloudpickle``/``dill``
 ``load``/``loads``/``Unpickler``, ``torch.load``, ``numpy.load(allow_pickle=True)``,
-``marshal.load(s)``, ``shelve.open``, DCP's ``FileSystemReader.read_metadata`` (a plain
+``marshal.load(s)``, ``shelve.open``, a ``multiprocessing.connection`` channel (its
+``recv`` unpickles), DCP's ``FileSystemReader.read_metadata`` (a plain
 ``pickle.load``) and ``Unpickler`` subclass, through any import alias, and fails on one that is
 neither restricted nor in :data:`TRUSTED`; a stale entry fails too. Negative controls: planted
 unsafe calls in synthetic sources are flagged, their restricted twins are not.
@@ -22,6 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PICKLERS = {"pickle", "_pickle", "cloudpickle", "dill", "joblib"}
+PLAIN = {"marshal.load", "marshal.loads", "shelve.open"}
+CHANNELS = {f"multiprocessing.connection.{n}" for n in ("Connection", "Listener", "Client")}
 
 # (module, enclosing function, callee) -> why the bytes cannot come from another user
 TRUSTED = {
@@ -35,6 +38,10 @@ TRUSTED = {
         "a rank's reply over its anonymous socketpair (an inherited fd: no path to open)",
     ("labkit/launch/world_rank.py", "_run_job", "cloudpickle.load"):
         "the caller's job over the rank's anonymous socketpair",
+    ("labkit/launch/world_procs.py", "_Ranks._serve", "multiprocessing.connection.Connection"):
+        "the caller's end of a socket.socketpair() made for one forked rank (no address)",
+    ("labkit/launch/world_rank.py", "rank_main", "multiprocessing.connection.Connection"):
+        "the rank's end of that socketpair, an inherited fd (no address to connect to)",
 }  # fmt: skip
 
 
@@ -107,7 +114,7 @@ class _Scan(ast.NodeVisitor):
             self._add(node, name, true("weights_only"))
         elif name == "numpy.load" and "allow_pickle" in kw:
             self._add(node, name, not true("allow_pickle"))
-        elif name in ("marshal.load", "marshal.loads", "shelve.open"):
+        elif name in PLAIN or name in CHANNELS:  # a channel's recv() unpickles what comes
             self._add(node, name, False)
         elif parts[-1] == "read_metadata" and "FileSystemReader" in name:
             self._add(node, name, False)  # DCP: a plain pickle.load of .metadata
@@ -157,6 +164,8 @@ def test_every_unpickle_in_labkit_is_restricted_or_reads_what_labkit_wrote_priva
      ("import pickle\nclass U(pickle.Unpickler):\n    def find_class(self, m, n):\n"
       "        raise pickle.UnpicklingError(m)", False),
      ("import torch.distributed.checkpoint as dcp\ndcp.FileSystemReader('d').read_metadata()",
+      True),
+     ("from multiprocessing.connection import Listener\nListener(('', 0)).accept().recv()",
       True),
      ("import json\njson.loads('{}')", False)],
 )  # fmt: skip
