@@ -56,7 +56,9 @@ class Site:
 
 class _Scan(ast.NodeVisitor):
     def __init__(self, path: str) -> None:
-        self.path, self.stack, self.sites = path, [], []
+        self.path = path
+        self.stack: list[str] = []
+        self.sites: list[Site] = []
         self.alias: dict[str, str] = {}
 
     def resolve(self, node: ast.AST) -> str | None:
