@@ -272,7 +272,7 @@ from labkit.checkpoint import AsyncCheckpointer
 
 def fault(point):
     if point == "written":
-        time.sleep(1.0)  # the interpreter reaches its end while the writer is here
+        time.sleep(2.0)  # the interpreter reaches its end while the writer is here
     if point == "before_commit" and sys.argv[2] == "fail":
         raise OSError("disk full")
 
