@@ -294,3 +294,27 @@ def test_merge_check_accepts_the_rule_and_rejects_three_wrong_merges() -> None:
     for wrong, why in [(no_rescale, "two halves"), (nan_on_empty, "NaN"), (wrong_lse, "chain")]:
         with pytest.raises(CheckFailed, match=why):
             check_merge(wrong)
+
+
+def test_float64_tiles_stay_float64_through_the_fused_backward() -> None:
+    """Issue 34, defect 8: the fused CPU backward wants the LSE in its own accumulation dtype
+    (float64 for float64 inputs); ring attention used to hand it a float32 one and raise
+    "expected scalar type Double but found Float". The readable tiles are the reference."""
+    from labkit.context_parallel.blockwise import tile_backward, tile_forward
+
+    q, k, v, dout = (t[..., :4, :].double() for t in _full(5))  # (B, H, 4, D) float64
+    scale = D**-0.5
+    for diag in (False, True):
+        fused = tile_forward(q, k, v, scale, diag, True)
+        ref = tile_forward(q, k, v, scale, diag, False)
+        assert fused[0].dtype == fused[1].dtype == ref[1].dtype == torch.float64
+        assert _miss(list(fused), list(ref)) < 1e-12
+        out, lse = ref
+        delta = (dout * out).sum(-1)
+        got = tile_backward(q, k, v, dout, out, lse, delta, scale, diag, True)
+        want = tile_backward(q, k, v, dout, out, lse, delta, scale, diag, False)
+        assert all(g.dtype == torch.float64 for g in got)
+        assert _miss(list(got), list(want)) < 1e-12
+        # the old hand-over, a float32 LSE, is converted rather than refused
+        assert _miss(list(tile_backward(q, k, v, dout, out, lse.float(), delta, scale, diag,
+                                        True)), list(want)) < 1e-6  # fmt: skip

@@ -19,6 +19,10 @@ Read in this order (lesson ``notebooks/02_collectives.ipynb``):
 * ``profiled.py``   one ``labkit:<collective>`` profiler range per call, so a profile's
                     all-reduce count (``labkit.profiling``) includes labkit's own.
 * ``nccl_order.py`` records every point-to-point call and proves the order cannot deadlock NCCL.
+* ``guard.py``      the two promises of every pattern labkit builds (collectives, ring attention,
+                    Ulysses, expert dispatch, the pipeline executor): shapes checked on every
+                    rank (cached), and a compute step that raises half-way leaves the group
+                    usable (the rank keeps its messages; every rank raises at the settle).
 * ``labkit/measure/collectives.py``: algbw/busbw as nccl-tests define them, ours vs torch's;
   ``labkit/viz/collectives.py``: the lesson's pictures.
 * ``comm.py``       ``Comm(group, impl="torch" | "ring" | "hierarchical", nodes=)``: the one
