@@ -209,8 +209,8 @@ LESSONS: tuple[Lesson, ...] = (
         " curve against bf16's seed spread; tensor-parallel communication overlapped with"
         " its matmuls",
         ("precision/fp8/", "measure/fp8.py", "labs/fp8_training.py"),
-        "",
-        "",
+        "18_delayed_scaling",
+        "Transformer Engine's delayed-scaling update",
     ),
 )
 
