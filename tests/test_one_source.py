@@ -248,10 +248,10 @@ K11_SECOND_SOURCE = {"young_daly_interval", "failure_overhead", "checkpoint_over
 FIXED_COST = {"sync_s": 0.2, "async_s": 0.025, "write_s": 0.15, "bytes": 24e6}  # not measured
 
 
-def _k11_numbers_missing(out: str, scenario, cost: dict[str, float]) -> list[str]:
+def _k11_numbers_missing(out: str, scenario) -> list[str]:
     """The scenario's intervals (minutes) and time wasted, as the two notebooks' table prints
     them, that ``out`` lacks."""
-    return [row for s, name, t, w in scenario.intervals(cost)
+    return [row for s, name, t, w in scenario.intervals()
             if not re.search(rf"{s}\s+{name}\s+{t / 60:.0f}\s+{w:.2%}", out)
             for row in [f"{s} {name} {t / 60:.0f} min {w:.2%}"]]  # fmt: skip
 
@@ -264,7 +264,7 @@ def _k11_outputs(monkeypatch) -> tuple[str, str]:
     walk = _run(_code(_cells(WALK)[:2]) + "\n" + _code(_section(WALK, "K11")), {})
     cells = [c.source for c in _cells(NB / "17_node_loss.ipynb") if c.cell_type == "code"]
     measure = next(c for c in cells if "CKPT_100B.measure()" in c)
-    s6 = next(c for c in cells if "CKPT_100B.intervals(cost)" in c)
+    s6 = next(c for c in cells if "CKPT_100B.intervals()" in c)
     return walk, _run(measure + "\n" + s6, {})
 
 
@@ -279,23 +279,27 @@ def test_13_and_17_take_k11_from_one_scenario(monkeypatch):
     assert not second, f"13 §K11 configures K11 a second time: calls {sorted(second)}"
     walk, lesson = _k11_outputs(monkeypatch)
     for out in (walk, lesson):
-        assert not _k11_numbers_missing(out, CKPT_100B, FIXED_COST), out
+        assert not _k11_numbers_missing(out, CKPT_100B), out
         assert f"a synchronous save {CKPT_100B.sync_save_seconds:.0f} s" in out
         assert f"{CKPT_100B.mtbf_seconds / 86400:.1f} days" in out
     reads = CKPT_100B.reshard_reads(1000, 8, 7)
     assert reads[3] == [(3, 71), (4, 72)]  # [375, 500) from [375, 446) and [446, 571)
     assert sum(n for r in reads for _, n in r) == 1000
-    statement = "new rank 3: 71 from old 3 + 72 from old 4"
-    assert statement in walk
-    # 17 § 8 prints it with the same call, after the drill (not run here: it needs the drill)
-    assert "CKPT_100B.reshard_reads(1000, 8, 7)" in lesson_code
+    # the node-loss reshard is S6's own: from the plan's (tp, dp) to the 7-node fallback's
+    old, new = GPT_100B_3D.choice().candidate, GPT_100B_3D.fallback().candidate
+    statement = CKPT_100B.node_loss_reshard(GPT_100B_3D.cfg.n_embd, (old.tp, old.dp),
+                                            (new.tp, new.dp))  # fmt: skip
+    assert f"tp {old.tp} x ZeRO over dp {old.dp}" in statement and statement in walk
+    assert "from 2 old shards at most" in statement  # dp 2 -> 56: ranges straddle two shards
+    # 17 § 8 prints it with the same calls, after the drill (not run here: it needs the drill)
+    assert "S6.fallback()" in lesson_code and "CKPT_100B.node_loss_reshard(" in lesson_code
     # negative controls: another restart cost or write bandwidth is caught in both outputs,
     # and a walkthrough that calls Young/Daly itself is a second source
     import dataclasses
 
     for other in (dataclasses.replace(CKPT_100B, restart_seconds=600.0),
                   dataclasses.replace(CKPT_100B, write_bandwidth=4e9)):  # fmt: skip
-        assert _k11_numbers_missing(walk, other, FIXED_COST), other
-        assert _k11_numbers_missing(lesson, other, FIXED_COST), other
+        assert _k11_numbers_missing(walk, other), other
+        assert _k11_numbers_missing(lesson, other), other
     forged = walk_code + "\nyoung_daly_interval(75.0, 33 * 86400)"
     assert _called(forged) & K11_SECOND_SOURCE == {"young_daly_interval"}

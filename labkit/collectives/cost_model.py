@@ -164,18 +164,25 @@ def flat_ring_two_level_time(
 ) -> float:
     """A flat ring all-reduce over ``p = n k`` node-ordered ranks on the same two link classes.
 
-    Each of its ``2(p-1)`` steps moves ``D/p`` bytes over every link of the ring at once and
-    ends when the slowest does: with ``nodes > 1`` one flow per node crosses to the next node,
-    so a step costs ``max(alpha_e + D/p beta_e, alpha_i + D/p beta_i)``. Only one flow leaves
-    a node, so extra NICs do not help it (``nics_per_node`` is accepted for symmetry).
-    ``nodes = 1`` is the ring all-reduce on the intra link.
+    Each of its ``2(p-1)`` steps moves ``D/p`` bytes over every hop at once and ends when the
+    slowest does. A ring over node-ordered ranks crosses each node edge once, but NCCL runs
+    several rings at once (channels), each with its share of the data, and on a node with
+    ``m`` NICs each channel crosses on its own NIC (rail-aligned), so ``c = min(m, k)`` NICs
+    carry the crossing, ``D / (p c)`` each per step::
+
+        step = max(alpha_i + D/p beta_i,  alpha_e + D/(p c) beta_e)
+
+    One NIC per node (``c = 1``): the crossing runs at one NIC's bandwidth. One NIC per GPU
+    (DGX A100/H100, ``c = k``): ``k`` times faster, as the planner's ``GroupLink.ring_bandwidth``
+    counts it. ``nodes = 1`` is the ring all-reduce on the intra link.
     """
     _check_two_level(nbytes, nodes, ranks_per_node, nics_per_node)
     p = nodes * ranks_per_node
     (ai, bi), (ae, be) = intra, inter
     step = ai + nbytes / p * bi
     if nodes > 1:
-        step = max(step, ae + nbytes / p * be)
+        channels = min(nics_per_node, ranks_per_node)  # NICs the crossing is spread over
+        step = max(step, ae + nbytes / p * be / channels)
     return 2 * (p - 1) * step
 
 

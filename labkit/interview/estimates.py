@@ -2,8 +2,8 @@
 
 Every function is plain arithmetic (no processes) over labkit's memory model
 (:mod:`labkit.memory.model`), alpha-beta costs (:mod:`labkit.collectives.cost_model`) and
-model definitions. Hardware numbers are STATED assumptions (datasheet-class figures), named
-here once so an answer can say "assuming ...".
+model definitions. Hardware numbers come from the one catalog (:mod:`labkit.hardware`), by
+name, so an answer can say "assuming ..." and cite where the figure comes from.
 
 * DDP step prediction (S2): compute ``3 * F * b / (peak * mfu)`` (forward F, backward 2F per
   sample, Kaplan et al. 2020), gradient ring all-reduce ``2(p-1) alpha + 2(p-1)/p * D * beta``,
@@ -34,11 +34,15 @@ from labkit.collectives.cost_model import (
     flat_ring_two_level_time,
     ring_all_reduce_time,
 )
+from labkit.hardware import value
 from labkit.memory.model import MIXED_ADAM, STAGES, Precision, model_states
 from labkit.planner.budget import training_flops
+from labkit.planner.steptime import BUCKET_BYTES
 
 __all__ = [
     "LINKS",
+    "LINK_SOURCES",
+    "NICS_PER_NODE",
     "GPU_PEAK_FLOPS",
     "GPU_MEMORY",
     "resnet50_counts",
@@ -57,15 +61,21 @@ __all__ = [
     "hsdp_vs_fsdp",
 ]
 
-# Stated link assumptions: alpha (s per message), beta (s per byte) of one ring hop.
+# Link assumptions: alpha (s per message), beta (s per byte) of one ring hop, every figure
+# read from the hardware catalog (labkit/data/files/hardware.json, sources there). The 8x8
+# A100 cluster of S6, S7 and A2 is one cluster: NVLink 3 inside a node, one 200 Gb/s HDR NIC
+# per GPU between nodes ("InfiniBand" is one NIC; a node has NICS_PER_NODE of them).
 LINKS = {
-    "NVLink": AlphaBeta(5e-6, 1 / 150e9),  # A100 NVLink 3, ~150 GB/s achievable per direction
-    "PCIe": AlphaBeta(10e-6, 1 / 12e9),  # PCIe 4.0 x16 through the host bridge, ~12 GB/s
-    "InfiniBand": AlphaBeta(5e-6, 1 / 20e9),  # HDR 200 Gb/s per node
-    "Ethernet25": AlphaBeta(30e-6, 1 / 2.5e9),  # 25 Gb/s cloud networking
+    "NVLink": AlphaBeta(value("link.nvlink_latency"), 1 / value("a100.nvlink_per_direction")),
+    "PCIe": AlphaBeta(value("link.pcie4_latency"), 1 / value("link.pcie4_x16")),
+    "InfiniBand": AlphaBeta(value("link.ib_latency"), 1 / value("a100.nic_bandwidth")),
+    "Ethernet25": AlphaBeta(value("link.ethernet_latency"), 1 / value("link.ethernet25")),
 }
-GPU_PEAK_FLOPS = 312e12  # A100 dense bf16, datasheet
-GPU_MEMORY = 80e9  # A100 80 GB
+LINK_SOURCES = {"NVLink": "a100.nvlink_per_direction", "PCIe": "link.pcie4_x16",
+                "InfiniBand": "a100.nic_bandwidth", "Ethernet25": "link.ethernet25"}  # fmt: skip
+NICS_PER_NODE = int(value("a100.nics_per_node"))
+GPU_PEAK_FLOPS = value("a100.peak_bf16")
+GPU_MEMORY = value("a100.memory")
 
 
 @functools.cache
@@ -123,8 +133,10 @@ def predict_ddp_step(
     images/s with a DALI input pipeline) implies at 3 x 8.2 GFLOPs per image; 0.4 would be
     twice what a real input pipeline sustains.
 
-    With ``overlap`` the all-reduce runs during backward (2/3 of compute) and only the excess
-    shows; without it all of it adds to the step.
+    With ``overlap`` the all-reduce runs in buckets of ``BUCKET_BYTES`` during backward (2/3
+    of compute): the excess shows, and never less than the last bucket, which can only start
+    when backward ends (the planner's DDP model, :mod:`labkit.planner.steptime`: one model of
+    overlap for S2 and the planner); without it all of it adds to the step.
     """
     if p < 1 or batch_per_gpu < 1 or not 0 < mfu <= 1:
         raise ValueError(
@@ -132,7 +144,8 @@ def predict_ddp_step(
         )
     compute = 3 * fwd_flops_per_sample * batch_per_gpu / (peak_flops * mfu)
     comm = ring_all_reduce_time(params * grad_bytes, p, link.alpha, link.beta) if p > 1 else 0.0
-    exposed = max(0.0, comm - 2 / 3 * compute) if overlap else comm
+    buckets = max(1, math.ceil(params * grad_bytes / BUCKET_BYTES))
+    exposed = max(comm / buckets, comm - 2 / 3 * compute) if overlap else comm
     return DdpPrediction(p, batch_per_gpu, compute, comm, exposed)
 
 
@@ -246,24 +259,27 @@ def time_to_train(
 
 def hsdp_vs_fsdp(
     psi: float, nodes: int, gpus_per_node: int, intra: AlphaBeta, inter: AlphaBeta,
-    elem_bytes: int = 2,
+    elem_bytes: int = 2, nics_per_node: int = 1,
 ) -> dict[str, dict[str, float]]:
     """Per GPU: model-state bytes, bytes through each node's uplink per step, and seconds of
     the step's parameter/gradient collectives, for FSDP/ZeRO-3 over all ``n k`` GPUs against
     HSDP (shard inside a node of ``k``, replicate across the ``n`` nodes).
 
     FSDP: all-gather the parameters twice (forward, backward) and reduce-scatter the gradients
-    once, each half of a flat ring all-reduce over all GPUs: ``1.5 x`` that ring's time, and
-    ``3 (p-1)/p D`` bytes through each node's uplink (``D = elem_bytes * psi``). HSDP: the
-    same three collectives inside the node (fast link), then an all-reduce across nodes of
-    each GPU's ``D/k`` gradient shard, the ``k`` shards sharing the node's one uplink:
-    ``2 (n-1)/n D`` bytes through it. Memory: HSDP's states are sharded ``k`` ways, not ``n k``.
+    once, each half of a flat ring all-reduce over all GPUs: ``1.5 x`` that ring's time
+    (NCCL's channels spread its crossing over the node's ``nics_per_node`` NICs, ``inter``
+    being one NIC), and ``3 (p-1)/p D`` bytes through each node's uplink (``D = elem_bytes *
+    psi``). HSDP: the same three collectives inside the node (fast link), then an all-reduce
+    across nodes of each GPU's ``D/k`` gradient shard, the ``k`` shards sharing the node's NICs
+    (``ceil(k / nics)`` flows a NIC): ``2 (n-1)/n D`` bytes through the uplink. Memory: HSDP's
+    states are sharded ``k`` ways, not ``n k``.
     """
     p, k, n = nodes * gpus_per_node, gpus_per_node, nodes
     d = elem_bytes * psi
-    fsdp_s = 1.5 * flat_ring_two_level_time(d, n, k, intra, inter)
+    fsdp_s = 1.5 * flat_ring_two_level_time(d, n, k, intra, inter, nics_per_node)
+    sharing = -(-k // nics_per_node)  # HSDP's cross-node flows per NIC
     hsdp_s = 1.5 * ring_all_reduce_time(d, k, *intra) + (
-        ring_all_reduce_time(d / k, n, inter.alpha, inter.beta * k) if n > 1 else 0.0
+        ring_all_reduce_time(d / k, n, inter.alpha, inter.beta * sharing) if n > 1 else 0.0
     )
     return {
         "fsdp": {

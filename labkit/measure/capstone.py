@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from labkit.hardware import value
+
 __all__ = [
     "PEAKS",
     "ChunkedMixedAdamW",
@@ -29,14 +31,15 @@ __all__ = [
     "peak_flops",
 ]
 
-# bf16 dense peak FLOP/s (no sparsity), from the vendors' data sheets
+# bf16 dense peak FLOP/s (no sparsity), from the hardware catalog (data sheets, sources there);
+# the first key a device name contains wins, so "H100 PCIe" is tried before "H100"
 PEAKS = [
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("GH200", 989e12),
-    ("A100", 312e12),
+    ("H100 PCIe", value("h100_pcie.peak_bf16")),
+    ("H100 NVL", value("h100_nvl.peak_bf16")),
+    ("H100", value("h100.peak_bf16")),
+    ("H200", value("h200.peak_bf16")),
+    ("GH200", value("gh200.peak_bf16")),
+    ("A100", value("a100.peak_bf16")),
 ]
 
 

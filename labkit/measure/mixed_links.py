@@ -44,7 +44,8 @@ def miniature_cluster(
     (halved): the predicted seconds are then those of the fp32 transfers."""
     per_rank = flops_one_thread * min(1.0, cores / world_size)
     return Cluster(
-        nodes=world_size // ranks_per_node, gpus_per_node=ranks_per_node, memory_bytes=16e9,
+        nodes=world_size // ranks_per_node, gpus_per_node=ranks_per_node,
+        memory_bytes=16e9,  # not hardware: the miniature's nominal memory
         peak_flops=per_rank,
         intra_bandwidth=links["intra"].bandwidth / 2, inter_bandwidth=links["inter"].bandwidth / 2,
         intra_latency=links["intra"].alpha, inter_latency=links["inter"].alpha,

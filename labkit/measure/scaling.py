@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.collectives.cost_model import AlphaBeta, ring_all_reduce_time
+from labkit.hardware import value
 
 __all__ = [
     "LINKS",
@@ -47,14 +48,19 @@ __all__ = [
 
 MODES = ("strong", "weak")
 
-# Stated link assumptions for the extrapolation (alpha: per-message latency, beta: 1/bandwidth
-# per rank's link). Round numbers of the data sheets, not measurements.
+# Link assumptions for the extrapolation (alpha: per-message latency, beta: 1/bandwidth per
+# rank's link), read from the hardware catalog (data sheets and stated latencies, sources
+# there); the labels name the catalog's figures.
 LINKS: dict[str, AlphaBeta] = {
-    "NVLink 4 (450 GB/s)": AlphaBeta(5e-6, 1 / 450e9),
-    "InfiniBand NDR (50 GB/s)": AlphaBeta(8e-6, 1 / 50e9),
-    "Ethernet 100 Gb/s (12.5 GB/s)": AlphaBeta(2e-5, 1 / 12.5e9),
-    "Ethernet 10 Gb/s (1.25 GB/s)": AlphaBeta(5e-5, 1 / 1.25e9),
-}
+    "NVLink 4 (450 GB/s)": AlphaBeta(value("link.nvlink_latency"),
+                                     1 / value("h100.nvlink_per_direction")),
+    "InfiniBand NDR (50 GB/s)": AlphaBeta(value("link.ib_latency"),
+                                          1 / value("h100.nic_bandwidth")),
+    "Ethernet 100 Gb/s (12.5 GB/s)": AlphaBeta(value("link.ethernet_latency"),
+                                               1 / value("link.ethernet100")),
+    "Ethernet 10 Gb/s (1.25 GB/s)": AlphaBeta(value("link.ethernet_latency"),
+                                              1 / value("link.ethernet10")),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def cpu_cluster(flops_one_thread: float, alpha: float, bandwidth: float, ranks: 
     cores = cores or os.cpu_count() or 1
     per_rank = flops_one_thread * min(1.0, cores / ranks)
     return Cluster(
-        nodes=ranks // gpus_per_node, gpus_per_node=gpus_per_node, memory_bytes=16e9,
+        nodes=ranks // gpus_per_node, gpus_per_node=gpus_per_node,
+        memory_bytes=16e9,  # not hardware: the miniature's nominal memory
         peak_flops=per_rank, intra_bandwidth=bandwidth, inter_bandwidth=bandwidth,
         intra_latency=alpha, inter_latency=alpha, name="this CPU (gloo)",
     )  # fmt: skip

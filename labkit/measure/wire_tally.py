@@ -168,9 +168,9 @@ def planner_bytes(
     collectives at ``precision``. ``efficiency``: the old single-constant planner instead
     (16-bit dp traffic, no ends, no tied gradient)."""
     world = cand.degrees.world_size
-    unit = Cluster(nodes=1, gpus_per_node=world, memory_bytes=1e30, peak_flops=1e30,
+    unit = Cluster(nodes=1, gpus_per_node=world, memory_bytes=1e30, peak_flops=1e30,  # not hardware
                    intra_bandwidth=1.0, inter_bandwidth=1.0, intra_latency=0.0,
-                   inter_latency=0.0, name="unit", mem_bandwidth=1e30)  # fmt: skip
+                   inter_latency=0.0, name="unit", mem_bandwidth=1e30)  # fmt: skip; not hardware
     time = predict(model, unit, global_batch, cand, precision=precision,
                    efficiency=efficiency).time  # fmt: skip
     return {term: time.get(name, 0.0) for term, name in PLANNER_TERM.items()}

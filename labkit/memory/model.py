@@ -173,7 +173,10 @@ def transformer_activation_bytes(
 
 
 def communication_bytes(stage: str, psi: float, elem_bytes: int = 2) -> float:
-    """Bytes each rank sends per step (ZeRO section 7), counting a ring's Psi-sized share.
+    """Bytes each rank sends per step of ONE micro-batch (ZeRO section 7), counting a ring's
+    Psi-sized share. With m micro-batches accumulated, ZeRO-2 reduce-scatters every
+    micro-batch and ZeRO-3 also gathers the parameters twice per micro-batch:
+    :func:`labkit.planner.space.wire_bytes` counts that (the one convention, per micro-batch).
 
     A ring all-reduce of Psi elements is a reduce-scatter plus an all-gather, each sending
     (N-1)/N * Psi ~ Psi per rank: 2Psi for DDP. ZeRO-1/2 replace it by exactly those two

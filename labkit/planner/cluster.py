@@ -2,15 +2,18 @@
 
 Inside a node GPUs talk over NVLink/NVSwitch; between nodes over InfiniBand (or Ethernet).
 Each link class is an alpha-beta pair (Hockney: a message of n bytes takes alpha + n / bandwidth).
-Bandwidths are *per GPU*, one direction, as a ring collective sees them (NCCL's busbw): a DGX
-A100 has 8 HDR InfiniBand adapters of 200 Gb/s, one per GPU, so 25 GB/s per GPU between nodes,
-and NVLink 3 at 300 GB/s per direction per GPU inside the node. Which link a group rides
+Bandwidths are *per GPU*, one direction, as a ring collective sees them: a DGX A100 has one
+HDR InfiniBand adapter per GPU (``a100.nics_per_node``, ``a100.nic_bandwidth``) between nodes,
+and NVLink 3 (``a100.nvlink_per_direction``) inside the node; every figure is read from the
+hardware catalog (:mod:`labkit.hardware`), where its source is. Which link a group rides
 follows from where its ranks sit (``links.py``: global rank r is on node r // gpus_per_node).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from labkit.hardware import value
 
 __all__ = ["CLUSTERS", "Cluster"]
 
@@ -31,8 +34,8 @@ class Cluster:
     inter_latency: float = 10e-6
     name: str = ""
     # HBM bytes/s per GPU, data sheet (the roofline's memory side, ``roofline.py``); the
-    # default is the A100 80GB's 2,039 GB/s
-    mem_bandwidth: float = 2.039e12
+    # default is the A100 80GB's (``a100.hbm_bandwidth``)
+    mem_bandwidth: float = value("a100.hbm_bandwidth")
 
     def __post_init__(self) -> None:
         fields = {
@@ -65,53 +68,39 @@ class Cluster:
         return replace(self, nodes=nodes)
 
 
+def _node(card: str, nodes: int = 1, **changes: object) -> Cluster:
+    """A DGX-class node of 8 ``card`` GPUs, every figure from the hardware catalog
+    (``labkit/data/files/hardware.json``, with sources): NVLink per direction inside, one NIC
+    per GPU between nodes (its bandwidth is each GPU's share of the uplink)."""
+    from dataclasses import replace
+
+    base = Cluster(
+        nodes=nodes,
+        gpus_per_node=8,
+        memory_bytes=value(f"{card}.memory"),
+        peak_flops=value(f"{card}.peak_bf16"),
+        intra_bandwidth=value(f"{card}.nvlink_per_direction"),
+        inter_bandwidth=value(f"{card}.nic_bandwidth"),
+        intra_latency=value("link.nvlink_latency"),
+        inter_latency=value("link.ib_latency"),
+        mem_bandwidth=value(f"{card}.hbm_bandwidth"),
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
 CLUSTERS: dict[str, Cluster] = {
-    # Selene, the machine of Narayanan et al. 2021: DGX A100 80GB nodes, 312 TFLOP/s bf16/fp16.
-    "dgx-a100-80gb": Cluster(
-        nodes=1,
-        gpus_per_node=8,
-        memory_bytes=80 * GB,
-        peak_flops=312e12,
-        intra_bandwidth=300 * GB,
-        inter_bandwidth=25 * GB,
-        name="DGX A100 80GB",
-        mem_bandwidth=2.039e12,  # A100 80GB SXM data sheet: 2,039 GB/s HBM2e
-    ),
-    # The same A100 nodes on a slow network: one 100 Gb/s Ethernet port per node (12.5 GB/s,
-    # shared by 8 GPUs: 1.56 GB/s each) and TCP's higher latency; NVLink unchanged inside.
-    "a100-80gb-eth100": Cluster(
-        nodes=1,
-        gpus_per_node=8,
-        memory_bytes=80 * GB,
-        peak_flops=312e12,
-        intra_bandwidth=300 * GB,
-        inter_bandwidth=12.5 * GB / 8,
-        inter_latency=30e-6,
+    # Selene, the machine of Narayanan et al. 2021: DGX A100 80GB nodes (8 HDR NICs a node).
+    "dgx-a100-80gb": _node("a100", name="DGX A100 80GB"),
+    # The same A100 nodes on a slow network: one 100 Gb/s Ethernet port per node, shared by
+    # its 8 GPUs (each GPU's share is 1/8 of it), and TCP's higher latency; NVLink inside.
+    "a100-80gb-eth100": _node(
+        "a100", inter_bandwidth=value("link.ethernet100") / 8,
+        inter_latency=value("link.ethernet_latency"),
         name="A100 80GB, 1 x 100 Gb/s Ethernet per node",
-        mem_bandwidth=2.039e12,
-    ),
-    # DGX H100: NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s NDR (50 GB/s per GPU),
-    # 989 TFLOP/s dense bf16 (SXM).
-    "dgx-h100-80gb": Cluster(
-        nodes=1,
-        gpus_per_node=8,
-        memory_bytes=80 * GB,
-        peak_flops=989e12,
-        intra_bandwidth=450 * GB,
-        inter_bandwidth=50 * GB,
-        name="DGX H100 80GB",
-        mem_bandwidth=3.35e12,  # H100 SXM data sheet: 3.35 TB/s HBM3
-    ),
-    # DGX H200: the H100's die and links with 141 GB of HBM3e at 4.8 TB/s (data sheet); the
-    # card this project measured reports 139.8 GiB to torch (docs/gpu_check_h200.json).
-    "dgx-h200": Cluster(
-        nodes=1,
-        gpus_per_node=8,
-        memory_bytes=139.8 * 2**30,
-        peak_flops=989e12,
-        intra_bandwidth=450 * GB,
-        inter_bandwidth=50 * GB,
-        name="DGX H200 141GB",
-        mem_bandwidth=4.8e12,
-    ),
+    ),  # fmt: skip
+    # DGX H100: NVLink 4, 8 x 400 Gb/s NDR (one per GPU), 989 TFLOP/s dense bf16 (SXM).
+    "dgx-h100-80gb": _node("h100", name="DGX H100 80GB"),
+    # DGX H200: the H100's die and links with 141 GB of HBM3e; the card this project
+    # measured reports 139.8 GiB to torch (h200.memory_seen), which the planner plans with.
+    "dgx-h200": _node("h200", memory_bytes=value("h200.memory_seen"), name="DGX H200 141GB"),
 }

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from labkit.hardware import value
+
 __all__ = [
     "MEGATRON_TABLE1",
     "TableRow",
@@ -87,7 +89,7 @@ class TableRow(NamedTuple):
     aggregate_pflops: float
 
 
-TABLE1_VOCAB, TABLE1_SEQ, A100_PEAK = 51_200, 2_048, 312e12
+TABLE1_VOCAB, TABLE1_SEQ, A100_PEAK = 51_200, 2_048, value("a100.peak_bf16")
 
 # Transcribed from the paper's Table 1 (weak scaling, 1.7B to 1T parameters).
 MEGATRON_TABLE1: tuple[TableRow, ...] = (

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
+from labkit.hardware import value
 from labkit.models.gpt import GPTConfig
 from labkit.planner.cluster import CLUSTERS
 from labkit.planner.flops import (
@@ -118,7 +119,8 @@ class PublishedRun(NamedTuple):
     reported: float
     unit: str  # "tflops96" (Megatron's count, per GPU), "mfu", "tokens/s/gpu"
     source: str
-    inter_bandwidth: float = 25e9  # bytes/s per GPU between nodes (a DGX A100: 8 x 200 Gb/s)
+    # bytes/s per GPU between nodes: a DGX A100's one HDR NIC per GPU (hardware catalog)
+    inter_bandwidth: float = value("a100.nic_bandwidth")
     engine: str = "megatron"  # "megatron-deepspeed": DeepSpeed's pipeline engine (module doc)
 
 

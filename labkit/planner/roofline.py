@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from labkit.hardware import value
+
 __all__ = ["CHIPS", "Chip", "chip_for", "gemm_efficiency", "gemm_time", "stream_time"]
 
 ALIGN = 8  # elements: 16 bytes of a 16-bit dtype
@@ -66,9 +68,15 @@ class Chip:
 
 
 def _load() -> dict[str, Chip]:
+    """chips.json's fitted fractions; a field given as a string names a hardware-catalog
+    entry (the data-sheet peak and HBM bandwidth live there, with their sources)."""
     raw = json.loads((Path(__file__).parent / "data" / "chips.json").read_text())["chips"]
     keys = Chip.__dataclass_fields__.keys() - {"name"}
-    return {k: Chip(name=v["card"], **{f: float(v[f]) for f in keys}) for k, v in raw.items()}
+
+    def num(x: float | str) -> float:
+        return value(x) if isinstance(x, str) else float(x)
+
+    return {k: Chip(name=v["card"], **{f: num(v[f]) for f in keys}) for k, v in raw.items()}
 
 
 CHIPS: dict[str, Chip] = _load()

@@ -65,6 +65,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from labkit.collectives.cost_model import hierarchical_all_reduce_time, ring_all_reduce_time
+from labkit.hardware import value
 from labkit.memory.model import Precision
 from labkit.memory.moe_cp import MoESpec
 from labkit.models.gpt import GPTConfig
@@ -88,10 +89,10 @@ from labkit.planner.timing import (
 __all__ = ["BUCKET_BYTES", "HOST_BANDWIDTH", "PCIE_BANDWIDTH", "StepTime", "step_time"]
 
 BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket (25 MiB)
-# A DGX A100 GPU's PCIe 4.0 x16 link: 32 GB/s line rate, about 25 GB/s achieved one way
-PCIE_BANDWIDTH = 25e9
-# host DRAM a GPU's share of: 2 AMD Rome sockets x 8 channels DDR4-3200 = 410 GB/s over 8 GPUs
-HOST_BANDWIDTH = 50e9
+# A DGX A100 GPU's PCIe 4.0 x16 link to the host, and its share of the host's DRAM bandwidth
+# (hardware catalog: a100.host_link, a100.host_dram_share, with their sources)
+PCIE_BANDWIDTH = value("a100.host_link")
+HOST_BANDWIDTH = value("a100.host_dram_share")
 
 
 @dataclass(frozen=True)

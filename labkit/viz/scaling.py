@@ -21,12 +21,13 @@ from IPython.display import display
 from matplotlib.figure import Figure
 
 from labkit.collectives.cost_model import AlphaBeta
+from labkit.hardware import value
 from labkit.measure.scaling import LINKS, ScalingRun, efficiency, extrapolate, speedup
 from labkit.models.gpt import PRESETS, GPTConfig
 
 __all__ = ["GPU_PEAK_FLOPS", "MODEL_MFU", "ScalingWidget", "modeled_runs", "scaling_figure"]
 
-GPU_PEAK_FLOPS = 312e12  # stated: A100 bf16 dense peak, FLOP/s (data sheet)
+GPU_PEAK_FLOPS = value("a100.peak_bf16")  # A100 bf16 dense peak (hardware catalog)
 MODEL_MFU = 0.4  # stated: a well-tuned data-parallel step's model FLOPs utilisation
 RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 

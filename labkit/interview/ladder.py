@@ -1,0 +1,62 @@
+"""The memory ladder P3 and A3 climb before any model parallelism (pitfall P3).
+
+Each rung is one more thing a data-parallel job can do to fit, cheapest first (Rajbhandari
+et al. 2020 for ZeRO, Korthikanti et al. 2022 for recompute, Ren et al. 2021 for ZeRO-Offload):
+DDP; ZeRO-1, -2, -3 (shard the optimizer state, the gradients, the parameters); ZeRO-3 with
+selective then full activation recompute (one more forward: about a third more compute);
+ZeRO-3 with full recompute and the optimizer state offloaded to host memory (the optimizer step
+runs on the CPU, its states cross PCIe every step). Only when none fits does the model need
+tensor or pipeline parallelism. Every rung is priced by :func:`labkit.memory.estimate.estimate`
+(bf16 + fp32 Adam, SDPA attention), not by a typed activation figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.memory.estimate import MemoryEstimate, TrainSetup, estimate
+from labkit.models.gpt import GPTConfig
+
+__all__ = ["RUNGS", "Rung", "first_rung", "memory_ladder"]
+
+# (name, ZeRO stage, recompute, optimizer offloaded)
+RUNGS: tuple[tuple[str, str, str, bool], ...] = (
+    ("DDP", "ddp", "none", False),
+    ("ZeRO-1", "zero1", "none", False),
+    ("ZeRO-2", "zero2", "none", False),
+    ("ZeRO-3", "zero3", "none", False),
+    ("ZeRO-3 + selective recompute", "zero3", "selective", False),
+    ("ZeRO-3 + full recompute", "zero3", "full", False),
+    ("ZeRO-3 + full recompute + optimizer offload", "zero3", "full", True),
+)
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    estimate: MemoryEstimate
+    fits: bool
+
+    @property
+    def gpu_bytes(self) -> float:
+        return self.estimate.total
+
+
+def memory_ladder(cfg: GPTConfig, gpus: int, card_bytes: float,
+                  micro_batch: int = 1) -> list[Rung]:  # fmt: skip
+    """Every rung's per-GPU estimate of ``cfg`` data-parallel over ``gpus`` cards of
+    ``card_bytes``, one ``micro_batch`` of ``cfg.block_size`` tokens per GPU."""
+    if gpus < 1 or card_bytes <= 0 or micro_batch < 1:
+        raise ValueError(f"need gpus >= 1, card_bytes > 0, micro_batch >= 1; got {gpus}, "
+                         f"{card_bytes}, {micro_batch}")  # fmt: skip
+    out = []
+    for name, zero, recompute, offload in RUNGS:
+        e = estimate(cfg, TrainSetup(micro_batch=micro_batch, dp=gpus, zero=zero,
+                                     recompute=recompute, offload_optimizer=offload))  # fmt: skip
+        out.append(Rung(name, e, e.fits(card_bytes)))
+    return out
+
+
+def first_rung(cfg: GPTConfig, gpus: int, card_bytes: float, micro_batch: int = 1) -> Rung | None:
+    """The cheapest rung that fits; None: only then tensor or pipeline parallelism."""
+    return next((r for r in memory_ladder(cfg, gpus, card_bytes, micro_batch) if r.fits), None)
