@@ -69,7 +69,7 @@ def test_lab_command_serves_the_welcome_notebook():
 
 @pytest.mark.timeout(120)
 def test_headless_run_prints_each_cells_output(tmp_path):
-    # The runner itself, on a notebook with no launch: nbval already runs the real labs.
+    # The runner itself, on a notebook with no launch: tests/lessons already runs the real labs.
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_markdown_cell("# a lab"),
@@ -141,7 +141,8 @@ def test_lab_help_prints_labkits_usage_and_installs_nothing(tmp_path):
     out = subprocess.run([str(root / "lab"), "--help"], capture_output=True, text=True,
                          timeout=60, env=env)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.startswith("usage: ./lab [--headless [NOTEBOOK]]")
+    assert out.stdout.startswith("usage: ./lab [NOTEBOOK | --headless [NOTEBOOK] | book]")
+    assert "./lab book" in out.stdout and "./lab NOTEBOOK" in out.stdout
     assert "LABKIT_TORCH" in out.stdout and "--headless" in out.stdout
     assert "JupyterLab" in out.stdout and "jupyter lab --help" in out.stdout
     calls = log.read_text() if log.exists() else ""
