@@ -211,6 +211,8 @@ def _check_sequence(what: str, x: torch.Tensor, group: ProcessGroup | None, size
         problem = f"{what}: expected a (batch, seq, features) input, got shape {tuple(x.shape)}"
     elif seq % t:
         problem = f"{what}: sequence length {seq} is not divisible by tp={t} (sequence parallelism)"
+    elif torch.is_autocast_enabled(x.device.type):  # the backward would mix dtypes
+        problem = f"{what}: autocast is on; overlapped SP runs in the input's dtype (cast first)"
     same_everywhere(what, group, {"input": x}, sizes, problem=problem)
 
 

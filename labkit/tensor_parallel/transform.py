@@ -13,6 +13,9 @@ Figure 3; Korthikanti et al. 2022, Figure 5 for SP)::
 One f serves q, k and v together (Megatron fuses them into one QKV matmul; our GPT keeps
 three for readability), so a block costs exactly 2 all-reduces forward and 2 backward.
 
+With ``overlap`` (SP only) the blocks' gathers and scatters are decomposed under their GEMMs
+(``overlap_region.py``); the head's and the embedding's stay whole.
+
 With ``sequence_parallel`` every f becomes an all-gather along the sequence and every g a
 reduce-scatter, so LayerNorms, dropouts and residual adds run on (B, T/t, d). The gathered
 input of q/k/v, fc and the head is *not* kept for backward: only this rank's shard is, and it
@@ -48,6 +51,8 @@ from labkit.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from labkit.tensor_parallel.mappings import all_gather_seq, copy_to_tp, gather_from_sp
+from labkit.tensor_parallel.overlap import OverlappedRowLinear
+from labkit.tensor_parallel.overlap_region import OverlappedRegion
 from labkit.tensor_parallel.random import DropoutClock, RegionDropout, dropout_sites
 
 __all__ = ["TPConfig", "TensorParallelGPT", "agree_on_config", "check_tp", "tensor_parallel"]
@@ -61,6 +66,14 @@ class TPConfig:
     impl: str = "torch"  # "torch" or "ring" (labkit's own collectives), see labkit.collectives.Comm
     masks: str = "per_rank"  # "per_rank" (Megatron) or "sliced" (equal to the unsharded run)
     seed: int = 0  # dropout seed, the same on every rank
+    overlap: bool = False  # SP's gather / scatter decomposed under the blocks' GEMMs (overlap.py)
+
+    def __post_init__(self) -> None:
+        if self.overlap and not self.sequence_parallel:
+            raise ValueError(
+                "TPConfig(overlap=True) decomposes sequence parallelism's all-gather and "
+                "reduce-scatter under the GEMMs: it needs sequence_parallel=True, got False"
+            )
 
 
 def check_tp(cfg: GPTConfig, tp: int) -> None:
@@ -193,12 +206,18 @@ def tensor_parallel(
         attn.q, attn.k, attn.v = (
             ColumnParallelLinear(lin, c, "none") for lin in (attn.q, attn.k, attn.v)
         )
-        attn.proj = RowParallelLinear(attn.proj, c, out_mode)
-        mlp.fc, mlp.proj = (
-            ColumnParallelLinear(mlp.fc, c, "none"),
-            RowParallelLinear(mlp.proj, c, out_mode),
-        )
-        block.attn, block.mlp = ParallelRegion(attn, c, sp), ParallelRegion(mlp, c, sp)
+        mlp.fc = ColumnParallelLinear(mlp.fc, c, "none")
+        if config.overlap:  # the regions' gathers and scatters decomposed (overlap_region.py)
+            attn.proj, mlp.proj = (
+                OverlappedRowLinear(attn.proj, c),
+                OverlappedRowLinear(mlp.proj, c),
+            )
+            block.attn = OverlappedRegion(attn, ("q", "k", "v"), c)
+            block.mlp = OverlappedRegion(mlp, ("fc",), c)
+        else:
+            attn.proj = RowParallelLinear(attn.proj, c, out_mode)
+            mlp.proj = RowParallelLinear(mlp.proj, c, out_mode)
+            block.attn, block.mlp = ParallelRegion(attn, c, sp), ParallelRegion(mlp, c, sp)
         if sp:  # used on sequence shards: partial gradients
             for m in (block.ln1, block.ln2, attn.proj.bias, mlp.proj.bias):
                 if isinstance(m, nn.Module):
