@@ -131,7 +131,13 @@ def make_private_dir(
     _check_ancestors(real / missing[-1], what)  # where we create: ours or root's, not open
     for name in reversed(missing):
         real = real / name
-        os.mkdir(real, 0o700)  # 0700 until fchmod below: never more open than asked
+        try:
+            os.mkdir(real, 0o700)  # 0700 until fchmod below: never more open than asked
+        except FileExistsError:  # another process of the job made it just now
+            if not exist_ok:
+                raise
+            check_private_dir(real, others_may_read=bool(mode & 0o077), what=what)
+            continue
         fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
         try:
             if os.fstat(fd).st_uid != os.geteuid():

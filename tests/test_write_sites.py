@@ -68,12 +68,7 @@ ALLOWED: dict[str, str] = {
 # Sites in files another helper of issue 34 is editing right now (uncommitted): converted by
 # the "files" helper once those edits land, or by their owner. Delete an entry when converted.
 PENDING: dict[str, str] = {
-    "labkit/labs/drill.py:_kill_once:write_text": "TODO: drill.py has uncommitted edits (ckpt)",
-    "labkit/labs/node_loss_train.py:_Log.__call__:open": "TODO: uncommitted edits (ckpt)",
-    "labkit/labs/node_loss_train.py:main:mkdir": "TODO: uncommitted edits (ckpt)",
     "labkit/measure/scaling.py:save_runs:write_text": "TODO: scaling.py has uncommitted edits",
-    "labkit/measure/tp_overlap.py:profile_layer:export_chrome_trace":
-        "TODO: a new, uncommitted file of another helper; profiling.breakdown.export_trace is safe",
 }
 
 # Sites of the checkpoint package, which the "ckpt" helper of issue 34 routes through

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from labkit.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from labkit.launch import launch, local_device
 from labkit.precision.loss_scaler import DynamicLossScaler
+from labkit.safe_files import write_private
 
 __all__ = ["DrillConfig", "run_drill", "train"]
 
@@ -92,7 +93,7 @@ def _kill_once(cfg: DrillConfig, rank: int, step: int, in_save: bool) -> None:
     marker = Path(str(cfg.kill_marker))
     if marker.exists():  # already killed once: this is the restarted run
         return
-    marker.write_text(f"rank {rank} killed at step {step}{' during save' if in_save else ''}\n")
+    write_private(marker, f"rank {rank} killed at step {step}{' during save' if in_save else ''}\n")
     os.kill(os.getpid(), signal.SIGKILL)  # no exception, no cleanup: like a lost machine
 
 

@@ -39,7 +39,6 @@ import os
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ from labkit.checkpoint import (
     shard_range,
 )
 from labkit.models.gpt import GPT, GPTConfig, lm_loss
+from labkit.safe_files import make_private_dir, open_private
 from labkit.zero.adam import AdamConfig, adamw_
 
 __all__ = ["AsyncSaver", "NodeLossConfig", "SyncSaver", "batch", "reference", "schedule", "train"]
@@ -180,7 +180,7 @@ class _Log:
 
     def __call__(self, event: str, **extra: Any) -> None:
         line = json.dumps({"t": time.monotonic(), "event": event, **self.fields, **extra})
-        with open(self.path, "a") as f:
+        with open_private(self.path, "a") as f:
             f.write(line + "\n")
 
 
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="NodeLossConfig as JSON")
     cfg = NodeLossConfig(**json.loads(parser.parse_args(argv).config))
-    Path(cfg.ckpt_dir).mkdir(parents=True, exist_ok=True)
+    make_private_dir(cfg.ckpt_dir, 0o755, parents=True, exist_ok=True)  # every node makes it
     run_from_env(train, cfg, backend="gloo", timeout=60.0)
 
 

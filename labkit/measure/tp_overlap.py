@@ -40,6 +40,7 @@ from torch.nn import functional as F
 from labkit.collectives import Comm
 from labkit.measure.context_parallel import overlap_fraction
 from labkit.measure.timing import interleaved_times
+from labkit.profiling.breakdown import export_trace
 from labkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from labkit.tensor_parallel.mappings import all_gather_seq, reduce_scatter_seq
 from labkit.tensor_parallel.overlap import OverlappedColumnLinear, OverlappedRowLinear
@@ -148,7 +149,7 @@ def profile_layer(
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fns[name]()
         if path is not None:
-            prof.export_chrome_trace(f"{path}.{name}.rank{dist.get_rank()}.json")
+            export_trace(prof, f"{path}.{name}.rank{dist.get_rank()}.json")  # no link followed
         events = list(prof.events())
         t0 = min(e.time_range.start for e in events)
         spans = {"comm": [], "gemm": []}  # type: dict[str, list[tuple[float, float]]]
