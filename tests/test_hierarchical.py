@@ -25,6 +25,7 @@ from torch.distributed import ReduceOp
 
 from labkit.collectives import cost_model as cm
 from labkit.collectives.nccl_order import P2PCall, nccl_problems
+from labkit.collectives.primitives import CONTROL_TAG
 from tests.ranks import run_ranks, value_errors
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
@@ -271,10 +272,11 @@ def test_hierarchical_all_reduce_equals_dist_all_reduce(world: int) -> None:
         for rank, res in enumerate(results):
             calls = res["traffic"][algo]  # type: ignore[index]
             # the settle (guard.py): one 1-element flag to every other rank, not data
-            settle = [c for c in calls if c.numel == 1]
+            settle = [c for c in calls if c.tag == CONTROL_TAG]
             assert len(settle) == 2 * (world - 1), (algo, len(settle))  # sends and receives
+            assert all(c.numel == 1 for c in settle)
             for call in calls:
-                if call.numel == 1:
+                if call.tag == CONTROL_TAG:
                     continue
                 if call.kind == "send" and call.peer // k != rank // k:
                     per_node[rank // k] += call.numel

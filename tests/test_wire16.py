@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from labkit.collectives.primitives import CONTROL_TAG
 from tests.ranks import run_ranks, value_errors
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import tests/
@@ -135,7 +136,7 @@ def _posted(log: list[Any], k: int | None = None) -> tuple[int, int]:
     """Bytes this rank posted (sends, from their recorded data): (to its node, to others)."""
     rank, intra, inter = dist.get_rank(), 0, 0
     for call in log:
-        if call.kind == "send":
+        if call.kind == "send" and call.tag != CONTROL_TAG:  # data, not a check or a settle
             nbytes = call.data.numel() * call.data.element_size()
             if k is not None and call.peer // k != rank // k:
                 inter += nbytes

@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 from labkit.collectives import primitives
 from labkit.collectives.pool import DEFAULT_POOL, BufferPool
+from labkit.collectives.primitives import CONTROL_TAG as CONTROL_TAG
 from labkit.collectives.primitives import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from labkit.collectives.primitives import SUPPORTED_OPS as SUPPORTED_OPS
 from labkit.collectives.primitives import WIRES as WIRES
@@ -136,6 +137,7 @@ def _agree(
         [(mine, global_rank(group, r)) for r in others],
         [(table[r], global_rank(group, r)) for r in others],
         group,
+        primitives.CONTROL_TAG,
     )
     for work in recv_works + send_works:
         work.wait()

@@ -40,8 +40,9 @@ phases, the ring all-reduce's two halves) *joins* the open guard of its thread: 
 the outermost call, and an inner failure puts the whole call in send-only mode. A pattern
 called from inside ``g.catch()`` (a tensor-parallel all-reduce inside a pipeline stage) is a
 call of its own, with its own settle. Cost on the happy path: one exchange of ``p - 1`` 8-byte
-messages per outermost call (one latency, ``alpha``). The table-driven proof is
-``tests/test_pattern_failures.py``.
+messages per outermost call (one latency, ``alpha``), tagged ``CONTROL_TAG`` like the check's
+rows, so byte counters (``labkit.measure.wire_count``) tell them from data. The table-driven
+proof is ``tests/test_pattern_failures.py``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from torch.distributed import ProcessGroup
 
 from labkit.collectives.common import post, validate
 from labkit.collectives.pool import DEFAULT_POOL, BufferPool
+from labkit.collectives.primitives import CONTROL_TAG
 from labkit.parallel.layout import global_rank, group_rank_and_size
 
 __all__ = ["Guard", "PeerFailed", "guarded", "same_everywhere", "shape_fields", "MAX_DIMS"]
@@ -161,6 +163,7 @@ class Guard:
                 [(flags[rank : rank + 1], global_rank(self.group, q)) for q in others],
                 [(flags[q : q + 1], global_rank(self.group, q)) for q in others],
                 self.group,
+                CONTROL_TAG,  # control, not data: byte counters leave it out
             )
             for work in recv_w + send_w:
                 work.wait()

@@ -48,6 +48,7 @@ class P2PCall:
     blocking: bool
     done_before: int | None = None  # index of the first call posted after this one completed
     data: torch.Tensor | None = field(default=None, repr=False)  # a copy, for sends when asked
+    tag: int = 0  # primitives.CONTROL_TAG: a check's row or a settle flag, not data
 
 
 def _peer(group: Any, rank: int | None, group_rank: int | None) -> int:
@@ -84,10 +85,10 @@ def record_p2p(log: list[P2PCall], copy_sends: bool = False) -> Iterator[list[P2
     state = {"inside": False, "batches": 0}
 
     def note(
-        kind: str, tensor: torch.Tensor, peer: int, batch: int | None, blocking: bool
+        kind: str, tensor: torch.Tensor, peer: int, batch: int | None, blocking: bool, tag: int
     ) -> P2PCall:
         data = tensor.detach().clone() if copy_sends and kind == "send" else None
-        call = P2PCall(kind, peer, tensor.numel(), batch, blocking, data=data)
+        call = P2PCall(kind, peer, tensor.numel(), batch, blocking, data=data, tag=int(tag))
         log.append(call)
         return call
 
@@ -101,7 +102,8 @@ def record_p2p(log: list[P2PCall], copy_sends: bool = False) -> Iterator[list[P2
             peer = args[0] if args else kw.get("dst", kw.get("src"))
             group = args[1] if len(args) > 1 else kw.get("group")
             group_peer = kw.get("group_dst", kw.get("group_src"))
-            call = note(kind, tensor, _peer(group, peer, group_peer), None, blocking)
+            tag = args[2] if len(args) > 2 else kw.get("tag", 0)
+            call = note(kind, tensor, _peer(group, peer, group_peer), None, blocking, tag)
             state["inside"] = True
             try:
                 out = fn(tensor, *args, **kw)
@@ -124,6 +126,7 @@ def record_p2p(log: list[P2PCall], copy_sends: bool = False) -> Iterator[list[P2
                 int(op.peer),
                 index,
                 False,
+                op.tag,
             )
             for op in ops
         ]

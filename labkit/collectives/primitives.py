@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 __all__ = [
+    "CONTROL_TAG",
     "SUPPORTED_OPS",
     "SUPPORTED_DTYPES",
     "WIRES",
@@ -43,6 +44,7 @@ __all__ = [
     "wire_dtype",
 ]
 
+CONTROL_TAG = 0x1AB  # labkit's control messages: argument checks, settles (never data)
 SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN)
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -116,6 +118,7 @@ def post(
     sends: list[tuple[torch.Tensor, int]],
     recvs: list[tuple[torch.Tensor, int]],
     group: ProcessGroup | None,
+    tag: int = 0,
 ) -> tuple[list[Any], list[Any]]:
     """Post one step's sends and receives (``(tensor, global peer)``) as ONE batch.
 
@@ -123,13 +126,15 @@ def post(
     issue order, so a rank that posts ``irecv`` then ``isend`` against a peer doing the same
     waits forever (gloo hides it). Inside ``dist.batch_isend_irecv`` the order of sends and
     receives does not matter. Empty tensors are skipped: both ends know the sizes, so both
-    skip the same messages. Returns the receive handles and the send handles, in order (with
-    NCCL, whose batch yields one handle, every entry waits for the whole batch).
+    skip the same messages. ``tag``: :data:`CONTROL_TAG` marks labkit's control messages (the
+    argument check's rows, the guard's settle) apart from data. Returns the receive handles
+    and the send handles, in order (with NCCL, whose batch yields one handle, every entry
+    waits for the whole batch).
     """
     # receives first: under gloo a send waits for the peer's "receive posted" notice, so
     # announcing ours early lets the peer's data start flowing sooner (NCCL does not care)
-    ops = [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t.numel()]
-    ops += [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t.numel()]
+    ops = [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs if t.numel()]
+    ops += [dist.P2POp(dist.isend, t, peer, group, tag) for t, peer in sends if t.numel()]
     works: list[Any] = dist.batch_isend_irecv(ops) if ops else []
     if len(works) != len(ops):
         works = [_Joined(works)] * len(ops)

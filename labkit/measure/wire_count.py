@@ -29,7 +29,9 @@ Where a message came from: ``site`` is ``module:qualname`` of the first frame ou
 caller who knows which ``Comm`` serves what (a tensor-parallel block, the embedding) can name
 it. Thread-safe: a lock guards the list (a DDP communication thread may send beside the main
 thread), and a per-thread depth counts only the outermost wrapped call (``send`` built on
-``isend``, ``all_gather_object`` on ``all_gather``, are one message each).
+``isend``, ``all_gather_object`` on ``all_gather``, are one message each). Messages tagged
+``CONTROL_TAG`` (labkit's cross-rank argument checks and the guard's settle,
+:mod:`labkit.collectives.guard`) are not counted: they carry no payload.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from labkit.collectives.cost_model import busbw_factor
+from labkit.collectives.primitives import CONTROL_TAG
 
 __all__ = ["COLLECTIVES", "Message", "P2P", "WireCounter", "wire_bytes"]
 
@@ -139,11 +142,13 @@ class WireCounter:
             self._ranks[id(pg)] = tuple(dist.get_process_group_ranks(pg))
         return self._ranks[id(pg)]
 
-    def _record(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Message:
+    def _record(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Message | None:
         site, owner = _origin()
         if name in P2P:
             op, params = P2P[name]
             named = {**dict(zip(params, args)), **kwargs}
+            if named.get("tag") == CONTROL_TAG:  # labkit's argument checks and settles: no
+                return None  # payload (a few int64 per call), so no message of the planner's
             peer, group_peer = named.get(params[1]), named.get(params[4])
             group = named.get("group") or c10d._get_default_group()
             if peer is None and group_peer is not None:
@@ -160,8 +165,8 @@ class WireCounter:
         @functools.wraps(real)
         def counted(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._depth, "n", 0)
-            if depth == 0:
-                msg = self._record(name, args, kwargs)
+            msg = self._record(name, args, kwargs) if depth == 0 else None
+            if msg is not None:
                 with self._lock:
                     self.messages.append(msg)
             self._depth.n = depth + 1
