@@ -130,8 +130,8 @@ LESSONS: tuple[Lesson, ...] = (
         "10_10b_mixed_interconnects",
         "scenario S5: a 10B GPT on nodes with fast NVLink inside and slow links "
         "between; the planner with two link classes (why tp stays in the node, and "
-        "which groups cross it), a miniature of the layout measured on the emulated cluster against "
-        "its prediction",
+        "which groups cross it), a miniature of the layout measured on the emulated cluster "
+        "against its prediction",
         ("planner/links.py", "labs/mixed_links.py", "cluster/"),
         "",
         "",
