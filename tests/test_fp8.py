@@ -177,3 +177,22 @@ def test_autocast_leaves_the_fp8_gemm_alone() -> None:
     assert y.dtype == torch.bfloat16
     assert torch.allclose(y.float(), lin(x), rtol=0.1, atol=0.05)
     assert E5M2 == FORMATS["e5m2"].dtype
+
+
+def test_tensorwise_equals_torchaos_float8_linear_bit_for_bit() -> None:
+    """The peer: torchao's "tensorwise" recipe (torchtitan's) is the same algorithm, so its
+    output and both gradients equal ours exactly (run where torchao is importable)."""
+    ao = pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 128, bias=False)
+    peer = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
+    peer[0].load_state_dict(lin.state_dict())
+    ao.convert_to_float8_training(peer, config=ao.Float8LinearConfig.from_recipe_name("tensorwise"))
+    ours = Fp8Linear(lin, Fp8Config("tensorwise", "scaled_mm"))
+    x, dy = torch.randn(64, 256), torch.randn(64, 128) * 1e-3
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    peer(xa).backward(dy)
+    y = ours(xb)
+    y.backward(dy)
+    assert torch.equal(y, peer(x.clone()))
+    assert torch.equal(xb.grad, xa.grad) and torch.equal(lin.weight.grad, peer[0].weight.grad)
