@@ -271,13 +271,9 @@ def test_hierarchical_all_reduce_equals_dist_all_reduce(world: int) -> None:
         per_node = [0] * n
         for rank, res in enumerate(results):
             calls = res["traffic"][algo]  # type: ignore[index]
-            # the settle (guard.py): one 1-element flag to every other rank, not data
-            settle = [c for c in calls if c.tag == CONTROL_TAG]
-            assert len(settle) == 2 * (world - 1), (algo, len(settle))  # sends and receives
-            assert all(c.numel == 1 for c in settle)
+            # check=False: no argument check and no settle (guard.py), only data
+            assert not [c for c in calls if c.tag == CONTROL_TAG], algo
             for call in calls:
-                if call.tag == CONTROL_TAG:
-                    continue
                 if call.kind == "send" and call.peer // k != rank // k:
                     per_node[rank // k] += call.numel
                     if algo == "hier":  # only pieces of this rank's chunk cross nodes

@@ -171,7 +171,7 @@ def all_to_all(
     ins = input.split(input_splits)  # p views, rows for each rank
     outs = output.split(output_splits)  # p views: receiving into them fills output
     others = [q for q in range(p) if q != rank]
-    with guarded("all_to_all", group, input.device) as g:
+    with guarded("all_to_all", group, input.device, check) as g:
         recv, send = post(
             [(ins[q], global_rank(group, q)) for q in others],
             [(outs[q], global_rank(group, q)) for q in others],

@@ -39,10 +39,14 @@ Nesting: a ``guarded`` call made by the pattern's own code (the hierarchical all
 phases, the ring all-reduce's two halves) *joins* the open guard of its thread: one settle for
 the outermost call, and an inner failure puts the whole call in send-only mode. A pattern
 called from inside ``g.catch()`` (a tensor-parallel all-reduce inside a pipeline stage) is a
-call of its own, with its own settle. Cost on the happy path: one exchange of ``p - 1`` 8-byte
-messages per outermost call (one latency, ``alpha``), tagged ``CONTROL_TAG`` like the check's
-rows, so byte counters (``labkit.measure.wire_count``) tell them from data. The table-driven
-proof is ``tests/test_pattern_failures.py``.
+call of its own, with its own settle.
+
+Cost on the happy path: one exchange of ``p - 1`` 8-byte messages per outermost call (one
+latency, ``alpha``), tagged ``CONTROL_TAG`` like the check's rows, so byte counters
+(``labkit.measure.wire_count``) tell them from data. The collectives settle only when called
+with ``check=True`` (their default); ``Comm``'s hot paths pass ``check=False``: send-only mode
+still keeps every message matched, but the peers of a failing rank complete instead of raising
+(``guarded(settle=False)``). The table-driven proof is ``tests/test_pattern_failures.py``.
 """
 
 from __future__ import annotations
@@ -121,9 +125,12 @@ def same_everywhere(
 class Guard:
     """One call of a pattern on one rank: whether its compute failed, and the settle."""
 
-    def __init__(self, what: str, group: ProcessGroup | None, device: torch.device) -> None:
+    def __init__(
+        self, what: str, group: ProcessGroup | None, device: torch.device, settle: bool = True
+    ) -> None:
         self.what, self.group, self.device = what, group, torch.device(device)
         self.error: BaseException | None = None
+        self.exchange = settle  # False: raise this rank's own error only (see guarded)
 
     @property
     def ok(self) -> bool:
@@ -155,7 +162,7 @@ class Guard:
         """Every rank tells every other whether it failed (one batch); raise if any did."""
         rank, p = group_rank_and_size(self.group)
         failed = [int(self.error is not None)]
-        if p > 1:
+        if p > 1 and self.exchange:
             flags = torch.zeros(p, dtype=torch.int64, device=self.device)
             flags[rank] = failed[0]
             others = [q for q in range(p) if q != rank]
@@ -179,14 +186,20 @@ class Guard:
 
 
 @contextlib.contextmanager
-def guarded(what: str, group: ProcessGroup | None, device: torch.device) -> Iterator[Guard]:
+def guarded(
+    what: str, group: ProcessGroup | None, device: torch.device, settle: bool = True
+) -> Iterator[Guard]:
     """One call of a pattern (module docstring): yields its :class:`Guard`; on leaving, the
-    ranks settle. Joins the thread's open guard when called from a pattern's own code."""
+    ranks settle. Joins the thread's open guard when called from a pattern's own code.
+
+    ``settle=False`` (a collective called with ``check=False``, as ``Comm`` does on every hot
+    path) keeps send-only mode but skips the exchange: a failing rank raises its exception,
+    its peers complete (with what it sent), the group stays usable; one latency saved."""
     outer = getattr(_open, "guard", None)
     if outer is not None:
         yield outer
         return
-    guard = Guard(what, group, device)
+    guard = Guard(what, group, device, settle)
     _open.guard = guard
     try:
         yield guard

@@ -193,7 +193,7 @@ def hierarchical_all_reduce(
     # float32 staging chunk for 16-bit inputs with wire="accum" (rounded once, after phase 2)
     work = mine if acc == tensor.dtype else pool.get("hier.chunk", mine.numel(), acc, flat.device)
     sum_op = ReduceOp.SUM if op == ReduceOp.AVG else op  # AVG divides once, at the end
-    with guarded("hierarchical_all_reduce", None, flat.device) as g:  # one settle, on WORLD
+    with guarded("hierarchical_all_reduce", None, flat.device, check) as g:  # on WORLD
         if ring.p > 1:  # 1. reduce-scatter inside the node
             _reduce_scatter(ring, work, flat, sum_op, pool, wire)
         elif work is not mine:

@@ -60,12 +60,12 @@ def naive_all_reduce(
         return tensor
     flat = tensor.view(-1)
     if rank != root:  # a guard here too: every rank of the group settles with the root
-        with guarded("naive_all_reduce", group, flat.device):
+        with guarded("naive_all_reduce", group, flat.device, check):
             dist.send(flat, global_rank(group, root), group=group)  # 1) my contribution goes up
             dist.recv(flat, global_rank(group, root), group=group)  # 2) the result comes back
         return tensor
     acc = accum_dtype(flat.dtype)
-    with guarded("naive_all_reduce", group, flat.device) as g:  # compute: in g.run
+    with guarded("naive_all_reduce", group, flat.device, check) as g:  # compute: g.run
         total = flat if acc == flat.dtype else pool.get("naive.acc", flat.numel(), acc, flat.device)
         if total is not flat:
             g.run(total.copy_, flat)

@@ -42,7 +42,7 @@ def ring_reduce_scatter(
     common.validate_reduce_scatter(output_shard, input_full, op, group, check, wire)
     chunks = input_full.reshape(-1).tensor_split(p)  # p views, chunk c = what rank c will own
     partial = chunks[(rank - 1) % p].to(common.wire_dtype(input_full.dtype, wire), copy=True)
-    with guarded("ring_reduce_scatter", group, input_full.device) as g:
+    with guarded("ring_reduce_scatter", group, input_full.device, check) as g:
         for step in range(p - 1):
             c = (rank - step - 2) % p  # the chunk whose partial arrives at this step
             incoming = torch.empty(chunks[c].numel(), dtype=partial.dtype, device=partial.device)
@@ -71,7 +71,7 @@ def ring_all_gather(
     chunks = output_full.view(-1).tensor_split(p)  # views: receiving into them fills the output
     if chunks[rank].data_ptr() != input_shard.data_ptr():  # not already in place
         chunks[rank].copy_(input_shard.view(-1))
-    with guarded("ring_all_gather", group, output_full.device) as g:
+    with guarded("ring_all_gather", group, output_full.device, check) as g:
         for step in range(p - 1):
             c = (rank - step - 1) % p
             common.exchange(chunks[(rank - step) % p], right, chunks[c], left, group)
@@ -94,6 +94,6 @@ def ring_all_reduce(
     rank, p, _, _ = common.ring_neighbours(group)
     common.validate_all_reduce(tensor, op, group, check=check, wire=wire)
     mine = tensor.view(-1).tensor_split(p)[rank]  # my chunk is read at the last step only
-    with guarded("ring_all_reduce", group, tensor.device):  # both halves: one settle
+    with guarded("ring_all_reduce", group, tensor.device, check):  # both halves: 1 settle
         ring_reduce_scatter(mine, tensor, op, group, check=False, trace=trace, wire=wire)
         return ring_all_gather(tensor, mine, group, check=False, trace=trace)

@@ -103,7 +103,7 @@ def _reduce_scatter(
     send = ring.chunk(inp, (rank - 1) % p)
     if acc != inp.dtype:  # partials travel in float32 ("accum"): stage our first chunk there too
         send = bufs[1][: send.numel()].copy_(send)
-    with guarded("tuned_reduce_scatter", ring.group, inp.device) as g:  # compute in g.run
+    with guarded("tuned_reduce_scatter", ring.group, inp.device) as g:  # joins the caller's
         for s in range(p - 1):
             c = (rank - s - 2) % p  # the chunk whose partial arrives at this step
             recv, last = bufs[s % 2][: ring.size[c]], s == p - 2
@@ -159,7 +159,8 @@ def tuned_reduce_scatter(
     if ring.p == 1:
         output_shard.view(-1).copy_(input_full.view(-1))
     elif n > 0:
-        _reduce_scatter(ring, output_shard.view(-1), input_full.view(-1), op, pool, wire)
+        with guarded("tuned_reduce_scatter", group, input_full.device, check):
+            _reduce_scatter(ring, output_shard.view(-1), input_full.view(-1), op, pool, wire)
     return output_shard
 
 
@@ -178,7 +179,8 @@ def tuned_all_gather(
     arithmetic to overlap (``block`` is accepted for a uniform signature; ``pool`` keeps the
     record of validated calls, as for the other two)."""
     validate_all_gather(output_full, input_shard, group, check, pool)
-    return ring_all_gather(output_full, input_shard, group, check=False)
+    with guarded("tuned_all_gather", group, output_full.device, check):  # settles if check
+        return ring_all_gather(output_full, input_shard, group, check=False)
 
 
 @profiled("all_reduce")
@@ -199,6 +201,6 @@ def tuned_all_reduce(
     if ring.p == 1 or tensor.numel() == 0:
         return tensor
     mine = ring.chunk(tensor.view(-1), ring.rank)
-    with guarded("tuned_all_reduce", group, tensor.device):  # both halves: one settle
+    with guarded("tuned_all_reduce", group, tensor.device, check):  # both halves: one settle
         _reduce_scatter(ring, mine, tensor.view(-1), op, pool, wire)
         return ring_all_gather(tensor, mine, group, check=False)

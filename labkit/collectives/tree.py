@@ -174,7 +174,7 @@ def halving_doubling_all_reduce(
     work = flat
     if acc != tensor.dtype:
         work = pool.get("rhd.work", flat.numel(), acc, flat.device).copy_(flat)
-    with guarded("halving_doubling_all_reduce", group, flat.device) as g:
+    with guarded("halving_doubling_all_reduce", group, flat.device, check) as g:
         if p > 1 and work.numel():
             extra = _fold_in(work, op, group, pool)
             if not extra:
@@ -220,7 +220,7 @@ def recursive_doubling_all_reduce(
     work = flat
     if acc != tensor.dtype:  # 16-bit floats, "accum": reduce in float32, round once at the end
         work = pool.get("rd.work", flat.numel(), acc, flat.device).copy_(flat)
-    with guarded("recursive_doubling_all_reduce", group, flat.device) as g:
+    with guarded("recursive_doubling_all_reduce", group, flat.device, check) as g:
         _recursive_doubling_(work, op, group, pool)
         g.run(_finish, flat, work, p if op == ReduceOp.AVG else 1)
     return tensor
