@@ -36,6 +36,9 @@ h. The 1.3B step pushed further: the vocabulary padded to a multiple of 64 (the 
 i. The step taken apart into the planner's named terms (``gpu_step_parts.py``): the layer's
    GEMMs, SDPA per backend, the elementwise work eager and compiled, a block eager and
    compiled, the head at both vocabularies, the optimizer ($OUT/step_parts.json).
+j. Host-to-device copies of one input batch (32 uint8 224x224 images, notebook 13's K8):
+   pageable against pinned, p50/p90/p99/max over 200 copies (``labkit.measure.h2d``;
+   $OUT/h2d.json, to be kept as docs/gpu_h2d_<card>.json, which notebook 13 reads).
 
 Prints one JSON summary at the end (and writes it to $OUT/gpu_check.json when OUT is set).
 """
@@ -404,6 +407,21 @@ def transformer_grid() -> dict[str, Any]:
             "max_tflops": max(r["tflops"] for r in rows)}  # fmt: skip
 
 
+def h2d() -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from labkit.measure.h2d import h2d_latency
+
+    shape = (32, 3, 224, 224)
+    lat = h2d_latency(shape, repeats=200, warmup=10)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "shape": list(shape), **{k: asdict(v) for k, v in lat.items()}}  # fmt: skip
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "h2d.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
 SECTIONS = {
     "a": None,
     "b": nccl_paths,
@@ -413,6 +431,7 @@ SECTIONS = {
     "g": transformer_grid,
     "h": push,
     "i": step_parts,
+    "j": h2d,
 }
 
 

@@ -102,3 +102,17 @@ def test_the_async_stall_is_the_snapshot_over_the_host_link() -> None:
     assert fail.save_seconds == CKPT_100B.sync_save_seconds
     assert fail.restart_seconds == value("s6.restart_seconds")
     assert fail.system_mtbf(CKPT_100B.gpus) == pytest.approx(CKPT_100B.mtbf_seconds)
+
+
+def test_k8_reads_a_recorded_gpu_run_or_says_there_is_none(tmp_path) -> None:
+    import json
+    import os
+
+    from labkit.measure.h2d import recorded_gpu_h2d
+
+    assert recorded_gpu_h2d(tmp_path) is None  # nothing recorded: the cell predicts, labelled
+    old, new = tmp_path / "gpu_h2d_h100.json", tmp_path / "gpu_h2d_h200.json"
+    old.write_text(json.dumps({"device": "H100"}))
+    new.write_text(json.dumps({"device": "H200"}))
+    os.utime(old, (1, 1))  # the older file loses
+    assert recorded_gpu_h2d(tmp_path) == {"device": "H200"}

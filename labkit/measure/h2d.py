@@ -15,12 +15,14 @@ also pays first-touch page faults: about 57 ms per 128 MB on this machine, field
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["Latency", "h2d_latency", "percentile"]
+__all__ = ["Latency", "h2d_latency", "percentile", "recorded_gpu_h2d"]
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -104,3 +106,13 @@ def h2d_latency(
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: _summary(kinds[name], nbytes, ts) for name, ts in times.items()}
+
+
+def recorded_gpu_h2d(docs: Path | None = None) -> dict[str, dict] | None:
+    """The newest GPU run of this measurement on record: ``docs/gpu_h2d_<card>.json``, written
+    by ``benchmarks/gpu_check.py j`` on a lent GPU (``{"device", "shape", "pageable",
+    "pinned"}``, each copy a :class:`Latency` as a dict), or None when no GPU has run it. JSON
+    only: nothing is unpickled."""
+    docs = docs or Path(__file__).resolve().parents[2] / "docs"
+    runs = sorted(docs.glob("gpu_h2d_*.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(runs[-1].read_text()) if runs else None
