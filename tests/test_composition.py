@@ -44,7 +44,11 @@ SEEDS = [Combo(dp="overlapped", dp_comm="ring", tp_comm="ring", tp="2", accum=2)
 # docs/composition.md): Ulysses' all-to-all on the cp group beside the experts' all-to-all on
 # the ep group (the same two ranks), under tp and overlapped DDP.
 ULYSSES = Combo(dp="overlapped", tp="2", cp="2-ulysses", ep="2", precision="bf16", accum=2)
-COMBOS = [*covering_array(SEEDS, SUITE), ULYSSES]
+# Overlapped SP (tp=2+osp) once too, where its p2p rings meet the most: overlapped DDP's
+# communication thread on labkit's ring, the pipeline's sends, full recompute, 5 uneven layers
+OSP = Combo(dp="overlapped", dp_comm="ring", tp_comm="ring", tp="2+osp", pp="1f1b", layers=5,
+            checkpoint=True, accum=2, frozen=True)  # fmt: skip
+COMBOS = [*covering_array(SEEDS, SUITE), ULYSSES, OSP]
 # trained wrong, each must be detected: no dp average at all; at cp = 2, dense gradients
 # averaged over dp (1 rank) instead of dp x cp (each cp rank steps on its half-sequence grads)
 WRONG = [(Combo(dp="flat"), "no_dp_sync"), (Combo(dp="flat", cp="2"), "dp_only")]
@@ -53,15 +57,16 @@ WRONG = [(Combo(dp="flat"), "no_dp_sync"), (Combo(dp="flat", cp="2"), "dp_only")
 # ----------------------------------------------------------------------------- pure
 def test_covering_array_covers_every_valid_pair_and_no_refused_one() -> None:
     assert uncovered_pairs(COMBOS, SUITE) == set()
-    # of all of DIMENSIONS' pairs, only pairs with Ulysses go uncovered (and it runs once)
+    # of all of DIMENSIONS' pairs, only pairs with Ulysses or overlapped SP go uncovered (each
+    # runs once)
     left = uncovered_pairs(COMBOS)
-    assert left and all("2-ulysses" in (va, vb) for (_, va), (_, vb) in left)
+    assert left and all({"2-ulysses", "2+osp"} & {va, vb} for (_, va), (_, vb) in left)
     assert 20 <= len(COMBOS) <= 60, len(COMBOS)  # tens, not the 1,244,160 of the full product
     for c in COMBOS:
         check_combo(c)  # raises on a refused pair
         for (a, va), (b, vb) in combinations(c.values().items(), 2):
             assert refusal(a, va, b, vb) is None, c.name
-    assert [*covering_array(SEEDS, SUITE), ULYSSES] == COMBOS  # deterministic
+    assert [*covering_array(SEEDS, SUITE), ULYSSES, OSP] == COMBOS  # deterministic
     # negative control: drop one configuration and some pair is left uncovered
     assert uncovered_pairs(COMBOS[1:], SUITE) != set()
     assert uncovered_pairs(covering_array(SEEDS)) == set()  # every pair of every value: 38
@@ -89,6 +94,9 @@ REFUSED_EXAMPLES = [
     (Combo(tp="2+sp", ep="2"), "ep='2' with tp='2+sp'", "replicated over tp"),
     (Combo(dp="zero1", ep="2"), "ep='2' with dp='zero1'", "edp"),
     (Combo(dp="zero3", ep="2"), "ep='2' with dp='zero3'", "edp"),
+    (Combo(tp="2+osp", ep="2"), "ep='2' with tp='2+osp'", "replicated over tp"),
+    (Combo(tp="2+osp", precision="bf16"), "tp='2+osp' with precision='bf16'", "autocast"),
+    (Combo(tp="2+osp", precision="fp16"), "tp='2+osp' with precision='fp16'", "autocast"),
 ]
 
 

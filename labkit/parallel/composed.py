@@ -124,7 +124,7 @@ def train_combos(
 def _cut(model: Any, pp_group: Any, *, combo: Combo) -> Any:
     """The pipeline hook: the branch joins the (tensor-parallel) GPT, then 3D's cut."""
     if combo.branch:
-        add_branch(getattr(model, "gpt", model), combo.tp == "2+sp")
+        add_branch(getattr(model, "gpt", model), combo.sequence_parallel)
     return pipeline_hook(model, pp_group, virtual=_virtual(combo))
 
 
@@ -139,7 +139,8 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     layout = build_layout(d)
     tpc = None
     if combo.tp != "1":
-        tpc = TPConfig(sequence_parallel=combo.tp == "2+sp", impl=combo.tp_comm)
+        tpc = TPConfig(sequence_parallel=combo.sequence_parallel, impl=combo.tp_comm,
+                       overlap=combo.tp == "2+osp")  # fmt: skip
     stages: Any = compose(
         build_model(combo, branch=False), layout, tensor_parallel=tpc,
         experts=combo.ep != "0", context_parallel=combo.cp_attention, seq=SEQ,
@@ -196,7 +197,7 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
                 ddp.finish_gradient_sync()
             if combo.ep == "2":
                 reduce_expert_grads(stages, layout.edp_group, 2)  # / (dp x cp)
-            if combo.tp == "2+sp":
+            if combo.sequence_parallel:
                 sum_sequence_parallel(
                     stages, opt, tp_comm, sharded=combo.dp.startswith(("zero2", "zero3"))
                 )
@@ -243,7 +244,7 @@ def _forward_backward(
             total += loss.item()
         return total
     sched = make_schedule(SCHEDULE[combo.pp], 2, m, _virtual(combo))
-    t = combo.tp_degree if combo.tp == "2+sp" else 1
+    t = combo.tp_degree if combo.sequence_parallel else 1
     shape = (MICRO_BATCH, xs[0].shape[1] // t, model_config(combo).n_embd)  # xs: (B, T/cp)
     quiet = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
     with quiet, autocast(combo):

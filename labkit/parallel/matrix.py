@@ -43,7 +43,9 @@ DIMENSIONS: dict[str, tuple[object, ...]] = {
            "zero3", "zero3+prefetch"),  # fmt: skip
     "dp_comm": ("torch", "ring"),  # the collectives of dp: torch's or labkit's ring
     "tp_comm": ("torch", "ring"),  # the collectives of tp (no-op at tp=1)
-    "tp": ("1", "2", "2+sp"),  # tensor parallel degree, "+sp": sequence parallelism
+    # tensor parallel degree; "+sp": sequence parallelism; "+osp": its gathers and scatters
+    # decomposed under the GEMMs (TPConfig(overlap=True), labkit/tensor_parallel/overlap.py)
+    "tp": ("1", "2", "2+sp", "2+osp"),
     "pp": ("1", "gpipe", "1f1b", "interleaved", "zbh1"),  # pp = 2 unless "1"
     "layers": (4, 5),  # 5: an uneven cut under pp (3 + 2; interleaved 2 + 1 + 1 + 1)
     "checkpoint": (False, True),  # activation checkpointing of every block
@@ -61,7 +63,10 @@ DIMENSIONS: dict[str, tuple[object, ...]] = {
 # The values the suite's covering array spans: every dimension's, but cp's Ulysses, which the
 # suite runs in one seed configuration only (tests/test_composition.py) to keep its time: all
 # its pairs cost about 3 more configurations and several seconds (docs/composition.md, Cost).
-SUITE = {**DIMENSIONS, "cp": ("1", "2")}
+# Overlapped SP likewise runs in one configuration (tests/test_composition.py): it is proven
+# against the plain SP layer bit for bit in tests/test_tp_overlap.py.
+SUITE = {**DIMENSIONS, "cp": ("1", "2"), "tp": ("1", "2", "2+sp")}
+SEQUENCE_PARALLEL = ("2+sp", "2+osp")
 
 ZERO23 = ("zero2", "zero3", "zero3+prefetch")
 
@@ -95,7 +100,7 @@ REFUSED: list[tuple[str, Pred, str, Pred, str]] = [
         "per-sequence decision must be taken before the sequence is split (and sent along)",
     ),
     (
-        "ep", lambda v: v != "0", "tp", lambda v: v == "2+sp",
+        "ep", lambda v: v != "0", "tp", lambda v: v in SEQUENCE_PARALLEL,
         "expert parallelism needs the tokens replicated over tp (each tp rank routes the same "
         "tokens and holds an f/tp slice of every local expert, labkit/experts/parallel.py); "
         "sequence parallelism leaves each tp rank T/tp of them",
@@ -105,6 +110,12 @@ REFUSED: list[tuple[str, Pred, str, Pred, str]] = [
         "labkit's ZeRO shards and reduces one group's parameters; experts at ep > 1 need their "
         "own group (gradients over edp, not dp x cp), i.e. ZeRO over two groups (DeepSpeed-MoE's "
         "expert data parallelism), which labkit does not build. Use a DDP wrapper with ep",
+    ),
+    (
+        "tp", lambda v: v == "2+osp", "precision", lambda v: v != "fp32",
+        "overlapped SP computes its decomposed GEMMs in a custom autograd function whose "
+        "backward runs outside autocast, in the input's dtype; under bf16/fp16 autocast it "
+        "refuses (on every rank) rather than mix dtypes. Use tp=2+sp with mixed precision",
     ),
 ]  # fmt: skip
 
@@ -139,6 +150,10 @@ class Combo:
     @property
     def ep_degree(self) -> int:
         return 2 if self.ep == "2" else 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp in SEQUENCE_PARALLEL
 
     @property
     def tp_degree(self) -> int:
