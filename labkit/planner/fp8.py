@@ -5,10 +5,12 @@ ZeRO-3 gathers, and the saved activations at one byte.
   at the card's FP8 tensor-core peak from the hardware catalog (``<card>.peak_fp8``: twice
   the bf16 one on H100/H200; A100 has no FP8 tensor cores and is refused) with one-byte
   operands, which is the memory side at twice the bandwidth. The layer's GEMM term scales by
-  ``gemm_fp8 / gemm_bf16``; attention (flash kernels in bf16), elementwise work, the head
-  and the recompute stay as they were, as in TE and torchao recipes. The casts are taken as
-  fused into the kernels before them (TE fuses them into LayerNorm/GeLU; torch.compile does
-  for torchao), so they cost nothing here: an unfused cast would add 3 bytes an element.
+  ``gemm_fp8 / gemm_bf16``; under full recompute the rerun forward's GEMMs too (one of the
+  three GEMMs of equal FLOPs, so a third of the saving again). Attention (flash kernels in
+  bf16), elementwise work and the head stay as they were, as in TE and torchao recipes. The
+  casts are taken as fused into the kernels before them (TE fuses them into LayerNorm/GeLU;
+  torch.compile does for torchao), so they cost nothing here: an unfused cast would add 3
+  bytes an element.
 * **Bubble.** The pipeline's idle slots are a multiple of the slowest rank's micro-batch
   time, so they shrink with the compute.
 * **ZeRO-3 all-gathers** (FSDP2 + torchao's FP8 all-gather): the parameters travel at one
@@ -67,6 +69,8 @@ def fp8_gain(cfg: GPTConfig, cluster: Cluster, global_batch: int, cand: Candidat
     g8 = layer_time(chip8, b, s, h, a, **common).gemm  # type: ignore[arg-type]
     terms = dict(base.terms)
     saved = base.parts["gemm"] * (1 - g8 / g16)
+    if cand.recompute == "full":  # the rerun forward: 1 of each linear's 3 equal GEMMs
+        saved *= 4 / 3
     terms["compute"] = base.terms["compute"] - saved
     if "bubble" in terms and base.terms["compute"] > 0:
         terms["bubble"] = base.terms["bubble"] * terms["compute"] / base.terms["compute"]
