@@ -9,12 +9,12 @@ netns cluster of :mod:`labkit.cluster.netns` (root only)::
 
 Each daemon is Debian's (packages ``slurm-wlm``, ``munge``) run in the foreground with a
 configuration written for this run only: every file (slurm.conf, munge key and socket, state,
-spool, logs) lives in the run's folder. The daemons run as root and trust that folder
-(``slurm.conf`` names a ``Prolog=`` to run as root), so a caller's ``run_dir`` must be new or
-empty and pass the runs folder's checks, and every file is created new, private and without
-following a link (:mod:`labkit.safe_files`); bad arguments are refused before anything starts.
-Each daemon runs as its host (:func:`_on_host`): its node's network namespace, its own UTS
-namespace (hostname) and a mount namespace where the run's hosts file is bound over
+spool, logs) lives in the run's folder. The daemons run as root and trust that folder (a
+swapped ``slurm.conf`` could name a ``Prolog=`` that runs as root), so a caller's ``run_dir``
+must be new or empty and pass the runs folder's checks, and every file is created new, private
+and without following a link (:mod:`labkit.safe_files`); bad arguments are refused before
+anything starts. Each daemon runs as its host (:func:`_on_host`): its node's network namespace,
+its own UTS namespace (hostname) and a mount namespace where the run's hosts file is bound over
 ``/etc/hosts``, so a job script's ``scontrol show hostnames`` gives names that torchrun and
 gloo resolve to the nodes' addresses, as on a real cluster. Client commands run on the head
 through ``ip netns exec``, which binds ``/etc/netns/<namespace>/hosts`` the same way. munge's
