@@ -1,4 +1,4 @@
-"""Pure formulas for the two ids beyond the original cards: long context and mixture of experts.
+"""Pure formulas for the ids beyond the original cards: long context, experts, TP overlap.
 
 Notebooks 15 (context parallelism) and 16 (experts) build and measure them; notebook 13's short
 walkthroughs need only this arithmetic, so it stands alone (no import of those packages).
@@ -17,13 +17,26 @@ grow with ``E``, the FLOPs per token with ``top_k`` only: the training cost is `
 (Kaplan's ``6 N D`` over the active parameters), the memory that of all ``N``. Expert
 parallelism sends every token to its experts and back: two all-to-alls of ``top_k b s h``
 activations per MoE layer, forward and backward alike.
+
+**Tensor-parallel overlap (K16).** A sequence-parallel all-gather (or reduce-scatter) of ``C``
+seconds next to the GEMM of ``g`` seconds that needs it, cut into ``t - 1`` ring steps each under
+a ``1/t`` chunk of the GEMM, leaves ``max(0, C - (t - 1) g / t)`` exposed: one chunk never has a
+transfer under it (:func:`tp_overlap_exposed`, the planner's own formula; notebook 18 builds it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MoeCounts", "attention_activation_bytes", "moe_counts", "ring_attention_bytes"]
+from labkit.planner.tp_overlap import decomposed_exposed as tp_overlap_exposed
+
+__all__ = [
+    "MoeCounts",
+    "attention_activation_bytes",
+    "moe_counts",
+    "ring_attention_bytes",
+    "tp_overlap_exposed",
+]
 
 
 def attention_activation_bytes(
