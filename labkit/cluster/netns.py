@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labkit.cluster.slurm_reaper import process_id
 from labkit.safe_files import make_private_dir, replace_private
 
 RECORDS = Path("/run/labkit-cluster")
@@ -110,15 +111,6 @@ def _shape(namespace: str, dev: str, bandwidth: float) -> None:
         "rate", f"{rate}bit", "burst", str(burst), "limit", str(limit))  # fmt: skip
 
 
-def _process_id(pid: int) -> str:
-    """``pid`` plus its start time (field 22 of /proc/pid/stat): a recycled pid differs."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
-
-
 def _records() -> Path:
     """The records folder, created mode 0700; refused when others can write or read it (or
     a folder above it: safe_files)."""
@@ -128,7 +120,7 @@ def _records() -> Path:
 
 def write_record(tag: str) -> None:
     """Record that this process creates run ``tag``: whole or not at all (temp + rename)."""
-    payload = json.dumps({"creator": _process_id(os.getpid()), "uid": os.geteuid()})
+    payload = json.dumps({"creator": process_id(os.getpid()), "uid": os.geteuid()})
     replace_private(_records() / tag, payload)  # its temporary ".<tag>...": never read as a tag
 
 
@@ -235,7 +227,7 @@ def sweep_stale() -> list[str]:
             record = read_record(tag)
             if record is None:
                 continue  # partial, foreign or not a file: never taken for "creator gone"
-            if _process_id(int(record["creator"].split()[0])) == record["creator"]:
+            if process_id(int(record["creator"].split()[0])) == record["creator"]:
                 continue  # its creator lives
         remove(tag)  # its creator is gone, or it has no record (made by hand, record lost)
         stale.append(tag)
