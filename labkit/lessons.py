@@ -211,6 +211,7 @@ LESSONS: tuple[Lesson, ...] = (
         ("precision/fp8/", "measure/fp8.py", "labs/fp8_training.py"),
         "18_delayed_scaling",
         "Transformer Engine's delayed-scaling update",
+        rehearses=("K15", "K16"),
     ),
 )
 

@@ -358,3 +358,19 @@ def test_long_context_and_moe_formulas():
     assert moe.total_params - dense.total_params == pytest.approx(7 * mlp + 24 * 1024 * 8)
     assert moe.active_params - dense.active_params == pytest.approx(mlp + 24 * 1024 * 8)
     assert moe.train_flops(1e9) == 6 * moe.active_params * 1e9
+
+
+def test_fp8_is_beyond_the_cards_and_its_arithmetic_is_the_formats():
+    import math
+
+    from labkit.interview.beyond import fp8_range_bits, fp8_step_seconds
+
+    beyond = {t.id: t for t in load_topics() if "beyond the original cards" in t.title}
+    assert "K15" in beyond and "18_fp8_and_overlap.ipynb" in beyond["K15"].text
+    assert fp8_range_bits("e4m3") == pytest.approx(math.log2(448 / 2**-9))
+    assert fp8_range_bits("e5m2", subnormals=False) == pytest.approx(math.log2(57344 / 2**-14))
+    assert fp8_step_seconds(1.0, 0.6) == pytest.approx(0.7)  # only the GEMMs halve (Amdahl)
+    with pytest.raises(ValueError, match="fmt='bf16'"):
+        fp8_range_bits("bf16")
+    with pytest.raises(ValueError, match="gemm=2"):
+        fp8_step_seconds(1.0, 2)

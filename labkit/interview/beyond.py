@@ -26,6 +26,7 @@ transfer under it (:func:`tp_overlap_exposed`, the planner's own formula; notebo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from labkit.planner.tp_overlap import decomposed_exposed as tp_overlap_exposed
@@ -33,6 +34,8 @@ from labkit.planner.tp_overlap import decomposed_exposed as tp_overlap_exposed
 __all__ = [
     "MoeCounts",
     "attention_activation_bytes",
+    "fp8_range_bits",
+    "fp8_step_seconds",
     "moe_counts",
     "ring_attention_bytes",
     "tp_overlap_exposed",
@@ -94,3 +97,23 @@ def moe_counts(
     active = dense + router + moe_layers * top_k * mlp
     a2a = 2 * 2 * top_k * tokens_per_batch * hidden  # dispatch and combine, 2 bytes each
     return MoeCounts(total, active, a2a)
+
+
+def fp8_range_bits(fmt: str, subnormals: bool = True) -> float:
+    """FP8 (K15): the powers of two an 8-bit format spans, log2(max / smallest), down to its
+    smallest subnormal (or normal). e4m3: 448 down to 2^-9; e5m2: 57,344 down to 2^-16."""
+    from labkit.precision.fp8.formats import FORMATS
+
+    if fmt not in ("e4m3", "e5m2"):
+        raise ValueError(f"fmt={fmt!r}; expected 'e4m3' or 'e5m2'")
+    f = FORMATS[fmt]
+    return math.log2(f.max / (f.min_subnormal if subnormals else f.min_normal))
+
+
+def fp8_step_seconds(step: float, gemm: float, gemm_speedup: float = 2.0) -> float:
+    """FP8 (K15): a step of ``step`` seconds, ``gemm`` of them in the linears' GEMMs, when
+    only those run ``gemm_speedup`` x faster (Amdahl: the rest of the step stays)."""
+    if not 0 <= gemm <= step or gemm_speedup <= 0:
+        raise ValueError(f"need 0 <= gemm <= step and a positive speed-up, got step={step}, "
+                         f"gemm={gemm}, gemm_speedup={gemm_speedup}")  # fmt: skip
+    return step - gemm + gemm / gemm_speedup
