@@ -64,16 +64,6 @@ ALLOWED: dict[str, str] = {
     "labkit/profiling/breakdown.py:export_trace:export_chrome_trace":
         "torch writes into a folder made new (0700) by mkdtemp the line above; then os.replace",
 }
-
-# Sites in files another helper of issue 34 is editing right now (uncommitted): converted by
-# the "files" helper once those edits land, or by their owner. Delete an entry when converted.
-PENDING: dict[str, str] = {
-    "labkit/measure/scaling.py:save_runs:write_text": "TODO: scaling.py has uncommitted edits",
-}
-
-# Sites of the checkpoint package, which the "ckpt" helper of issue 34 routes through
-# labkit.safe_files: delete an entry here when its site is converted.
-CKPT_TODO: dict[str, str] = {}
 # fmt: on
 
 
@@ -188,7 +178,7 @@ def scan_labkit() -> list[tuple[str, int]]:
 
 def test_every_write_in_labkit_goes_through_the_helper_or_is_allowed_with_a_reason():
     sites = scan_labkit()
-    allowed = {**ALLOWED, **PENDING, **CKPT_TODO}
+    allowed = ALLOWED
     bypass = sorted(f"{key} (line {line})" for key, line in sites if key not in allowed)
     assert not bypass, (
         "these write files without labkit.safe_files (use open_private / write_private / "

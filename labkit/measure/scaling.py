@@ -30,6 +30,7 @@ from typing import Any
 
 from labkit.collectives.cost_model import AlphaBeta, ring_all_reduce_time
 from labkit.hardware import value
+from labkit.safe_files import replace_private
 
 __all__ = [
     "LINKS",
@@ -151,7 +152,8 @@ def extrapolate(
 
 def save_runs(runs: Iterable[ScalingRun], path: str | Path) -> None:
     """Keep the records as a small JSON file (one list of runs)."""
-    Path(path).write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    text = json.dumps([asdict(r) for r in runs], indent=1)
+    replace_private(path, text, perm=0o644)  # whole or not at all; never through a link
 
 
 def load_runs(path: str | Path) -> list[ScalingRun]:
