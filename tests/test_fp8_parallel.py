@@ -105,8 +105,10 @@ def test_without_the_amax_reduce_the_ranks_scale_apart(results, layout) -> None:
 
 def test_tiles_that_straddle_ranks_are_refused() -> None:
     from labkit.precision.fp8 import Fp8Config
-    from labkit.precision.fp8.parallel import _check_tiles
+    from labkit.precision.fp8.parallel import _fp8_setup
 
+    split, tiles, rows = (None, 0, 1), Fp8Config(recipe="tiles", tile=16), Fp8Config("rowwise")
     with pytest.raises(ValueError, match="out_features per rank is 24, not a multiple of tile=16"):
-        _check_tiles(Fp8Config(recipe="tiles", tile=16), 24, "out_features")
-    _check_tiles(Fp8Config(recipe="rowwise", tile=16), 24, "out_features")  # no tiles: fine
+        _fp8_setup(tiles, None, True, 24, "out_features", split)  # type: ignore[arg-type]
+    _, shards = _fp8_setup(rows, None, False, 24, "out_features", split)  # type: ignore[arg-type]
+    assert (shards.x, shards.w, shards.dy, shards.reduce) == (None, 0, 1, None)  # no tiles: fine

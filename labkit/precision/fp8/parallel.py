@@ -27,6 +27,7 @@ from torch import nn
 
 from labkit.collectives import Comm
 from labkit.precision.fp8.linear import Fp8Config, Shards, fp8_linear, make_recipe
+from labkit.precision.fp8.recipe import Recipe
 from labkit.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from labkit.tensor_parallel.mappings import (
     copy_to_tp,
@@ -49,10 +50,16 @@ def amax_max(comm: Comm) -> Shards:
     return Shards(reduce=reduce)
 
 
-def _check_tiles(cfg: Fp8Config, local: int, what: str) -> None:
+def _fp8_setup(cfg: Fp8Config, comm: Comm, amax_reduce: bool, local: int, what: str,
+               split: tuple[int | None, int | None, int | None]
+               ) -> tuple[Recipe, Shards]:  # fmt: skip
+    """The layer's recipe and its Shards (``split``: the split dim of x, W, dy); tiles must
+    not straddle two ranks."""
     if cfg.recipe == "tiles" and local % cfg.tile:
         raise ValueError(f"{what} per rank is {local}, not a multiple of tile={cfg.tile}: a "
                          f"tile would straddle two ranks")  # fmt: skip
+    reduce = amax_max(comm).reduce if amax_reduce else None
+    return make_recipe(cfg), Shards(*split, reduce=reduce)
 
 
 class ColumnParallelFp8Linear(ColumnParallelLinear):
@@ -62,10 +69,9 @@ class ColumnParallelFp8Linear(ColumnParallelLinear):
     def __init__(self, linear: nn.Linear, comm: Comm, cfg: Fp8Config,
                  input_mode: str = "copy", amax_reduce: bool = True) -> None:  # fmt: skip
         super().__init__(linear, comm, input_mode)
-        _check_tiles(cfg, self.out_features, "out_features")
-        self.cfg, self.recipe = cfg, make_recipe(cfg)
-        red = amax_max(comm).reduce if amax_reduce else None
-        self.shards = Shards(x=None, w=0, dy=1, reduce=red)
+        self.cfg = cfg  # W split along N (dim 0), so is dy (dim 1); x replicated
+        self.recipe, self.shards = _fp8_setup(cfg, comm, amax_reduce, self.out_features,
+                                              "out_features", (None, 0, 1))  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_mode == "copy":
@@ -81,10 +87,9 @@ class RowParallelFp8Linear(RowParallelLinear):
     def __init__(self, linear: nn.Linear, comm: Comm, cfg: Fp8Config,
                  output_mode: str = "reduce", amax_reduce: bool = True) -> None:  # fmt: skip
         super().__init__(linear, comm, output_mode)
-        _check_tiles(cfg, self.in_features, "in_features")
-        self.cfg, self.recipe = cfg, make_recipe(cfg)
-        red = amax_max(comm).reduce if amax_reduce else None
-        self.shards = Shards(x=1, w=1, dy=None, reduce=red)
+        self.cfg = cfg  # x and W split along K (dim 1); dy replicated
+        self.recipe, self.shards = _fp8_setup(cfg, comm, amax_reduce, self.in_features,
+                                              "in_features", (1, 1, None))  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = fp8_linear(x, self.weight, None, self.recipe, self.cfg, self.shards)
