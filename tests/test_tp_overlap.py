@@ -337,3 +337,105 @@ def test_overlap_needs_sequence_parallelism() -> None:
 
     with pytest.raises(ValueError, match="needs sequence_parallel=True"):
         TPConfig(overlap=True)
+
+
+# ----------------------------------------------------------------------------- exercise check
+def _solution(shard: torch.Tensor, weight: torch.Tensor, ring: Any) -> torch.Tensor:
+    from torch.nn import functional as F
+
+    t, n = ring.size, shard.shape[0]
+    full = shard.new_empty(t * n, *shard.shape[1:])
+    out = shard.new_empty(t * n, shard.shape[1], weight.shape[0])
+    rows = [full[k * n : (k + 1) * n] for k in range(t)]
+    rows[ring.rank].copy_(shard)
+    for s, k in enumerate(ag_order(ring.rank, t)):
+        if s < t - 1:
+            ring.start(s, sends=[rows[k]], recvs=[rows[(k - 1) % t]])
+        out[k * n : (k + 1) * n] = F.linear(rows[k], weight)
+        if s < t - 1:
+            ring.wait(s)
+    return out
+
+
+def _wait_first(shard: torch.Tensor, weight: torch.Tensor, ring: Any) -> torch.Tensor:
+    """Right values, no overlap: every transfer waited for before its matmul."""
+    from torch.nn import functional as F
+
+    t, n = ring.size, shard.shape[0]
+    full = shard.new_empty(t * n, *shard.shape[1:])
+    rows = [full[k * n : (k + 1) * n] for k in range(t)]
+    rows[ring.rank].copy_(shard)
+    for s, k in enumerate(ag_order(ring.rank, t)[:-1]):
+        ring.start(s, sends=[rows[k]], recvs=[rows[(k - 1) % t]])
+        ring.wait(s)
+    return F.linear(full, weight)
+
+
+def _wrong_way(shard: torch.Tensor, weight: torch.Tensor, ring: Any) -> torch.Tensor:
+    """Receives into the place of chunk r + s + 1: reorders at t = 4."""
+    from torch.nn import functional as F
+
+    t, n = ring.size, shard.shape[0]
+    full = shard.new_empty(t * n, *shard.shape[1:])
+    out = shard.new_empty(t * n, shard.shape[1], weight.shape[0])
+    rows = [full[k * n : (k + 1) * n] for k in range(t)]
+    rows[ring.rank].copy_(shard)
+    for s in range(t):
+        k = (ring.rank + s) % t
+        if s < t - 1:
+            ring.start(s, sends=[rows[k]], recvs=[rows[(k + 1) % t]])
+        out[k * n : (k + 1) * n] = F.linear(rows[k], weight)
+        if s < t - 1:
+            ring.wait(s)
+    return out
+
+
+def _ungrouped(shard: torch.Tensor, weight: torch.Tensor, ring: Any) -> torch.Tensor:
+    """Right values and overlap, but irecv then isend ungrouped: hangs on NCCL at t = 2."""
+    import torch.distributed as dist
+    from torch.nn import functional as F
+
+    t, n = ring.size, shard.shape[0]
+    full = shard.new_empty(t * n, *shard.shape[1:])
+    out = shard.new_empty(t * n, shard.shape[1], weight.shape[0])
+    rows = [full[k * n : (k + 1) * n] for k in range(t)]
+    rows[ring.rank].copy_(shard)
+    for s, k in enumerate(ag_order(ring.rank, t)):
+        works = []
+        if s < t - 1:
+            ring.events.append(("start", s))
+            works = [dist.irecv(rows[(k - 1) % t], ring.left), dist.isend(rows[k], ring.right)]
+        out[k * n : (k + 1) * n] = F.linear(rows[k], weight)
+        for w in works:
+            w.wait()
+        if works:
+            ring.events.append(("wait", s))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (_solution, None),
+        (_wait_first, "hides nothing"),
+        (_wrong_way, "holds rank"),
+        (_ungrouped, "under NCCL"),
+    ],  # fmt: skip
+    ids=["solution", "wait_first", "wrong_way", "ungrouped"],
+)
+def test_exercise_check_accepts_the_ring_and_rejects_each_wrong_approach(
+    fn: Any, message: Any
+) -> None:
+    from labkit.checks.core import CheckFailed
+    from labkit.checks.tp_overlap import judge, run_on_rank
+
+    failures = []
+    for t in (2, 4):
+        try:
+            judge(run_ranks(run_on_rank, fn, world_size=t, timeout=120))
+        except CheckFailed as exc:
+            failures.append(str(exc))
+    if message is None:
+        assert failures == []
+    else:
+        assert failures and message in failures[0], failures
