@@ -10,8 +10,9 @@ count) and lists each call that creates or writes a file or folder:
 * ``os.open`` with flags that write (``O_WRONLY``, ``O_RDWR``, ``O_CREAT``, ``O_APPEND``,
   ``O_TRUNC``, or flags it cannot read);
 * ``write_text``, ``write_bytes``, ``touch``, ``mkdir``, ``os.mkdir``, ``os.makedirs``,
-  ``os.symlink``, ``savefig``, ``np.save``, ``export_chrome_trace``, ``urlretrieve`` and
-  ``shutil.copy*`` (they open the destination themselves);
+  ``os.symlink``, ``os.mkfifo``, ``savefig``, ``np.save``/``savez``, ``tofile``,
+  ``export_chrome_trace``, ``urlretrieve``, ``shutil.copy*``/``copytree``/``move`` (they
+  open the destination themselves);
 * ``torch.save(obj, f)``, unless ``f`` is a name bound in the same function from
   :func:`labkit.safe_files.open_private` or ``io.BytesIO()`` (memory, not a file).
 
@@ -44,7 +45,15 @@ from labkit.safe_files import (
 ROOT = Path(labkit.__file__).parent
 HELPER = ROOT / "safe_files.py"
 _WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC"}
-_METHODS = {"write_text", "write_bytes", "touch", "mkdir", "savefig", "export_chrome_trace"}
+_METHODS = {
+    "write_text",
+    "write_bytes",
+    "touch",
+    "mkdir",
+    "savefig",
+    "export_chrome_trace",
+    "tofile",
+}
 _FUNCS = {
     "os.mkdir",
     "os.makedirs",
@@ -55,6 +64,11 @@ _FUNCS = {
     "shutil.copy",
     "shutil.copyfile",
     "shutil.copy2",
+    "shutil.copytree",
+    "shutil.move",
+    "os.mkfifo",
+    "np.savez",
+    "numpy.savez",
 }
 _SAFE_FACTORIES = {"open_private", "BytesIO"}
 
@@ -210,6 +224,7 @@ def plant(d, x, obj):
     open(d / "m", x)
     np.save(d / "n", obj)
     prof.export_chrome_trace(str(d / "o"))
+    shutil.copy(d / "a", d / "p")
 """
 
 THROUGH_THE_HELPER = """
@@ -244,6 +259,7 @@ def test_the_scan_flags_each_kind_of_bypass():  # negative control
         "open",
         "save",
         "export_chrome_trace",
+        "copy",
     ]
     assert {key.split(":")[1] for key, _ in scan_source(BYPASS, "planted.py")} == {"plant"}
     assert scan_source(THROUGH_THE_HELPER, "fine.py") == []
