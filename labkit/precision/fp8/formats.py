@@ -25,6 +25,7 @@ on either: it clamps to the format's max before casting (:mod:`labkit.precision.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,6 @@ class FloatFormat:
     @property
     def dynamic_range_bits(self) -> float:
         """log2(max / min_subnormal): the powers of two the format spans, subnormals included."""
-        import math
-
         return math.log2(self.max / self.min_subnormal)
 
 
