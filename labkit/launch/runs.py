@@ -31,7 +31,13 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from labkit.safe_files import UnsafePathError, check_private_dir, make_private_dir, open_private
+from labkit.safe_files import (
+    UnsafePathError,
+    check_folder,
+    check_private_dir,
+    make_private_dir,
+    open_private,
+)
 
 LIVE_LOCK = "live.lock"  # flocked by the launching process for the run's life
 
@@ -86,9 +92,9 @@ def new_run_dir(root: Path, kind: str = "") -> tuple[Path, LiveRun]:
 
 def check_run_dir(run: Path) -> None:
     """The reader's side (the agent, a rank): a run folder must be private before anything in
-    it is unpickled; its root must not be writable by others."""
+    it is unpickled; its root, and every folder above, must not be writable by others."""
     check_private(run)
-    check_private(run.parent, others_may_read=True)
+    check_folder(run.parent, others_may_read=True, what="runs folder")
 
 
 def is_live(run: Path) -> bool:
