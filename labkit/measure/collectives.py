@@ -88,17 +88,19 @@ def _native(name: str, old: str) -> Callable[..., object]:
 def _runs(
     full: torch.Tensor, shard: torch.Tensor, algorithms: bool | Sequence[str]
 ) -> dict[str, dict[str, Callable[[], object]]]:
-    """op -> {"ours": call, "torch": call, ...} on preallocated tensors."""
+    """op -> {"ours": call, "torch": call, ...} on preallocated tensors. Ours run as ``Comm``
+    runs them, ``check=False``: no cross-rank check and no settle (``collectives/guard.py``),
+    since torch's collectives check nothing either (a check=True call adds one settle)."""
     all_reduce: dict[str, Callable[[], object]] = {
-        "ours": lambda: auto.all_reduce(full),
+        "ours": lambda: auto.all_reduce(full, check=False),
         "torch": lambda: dist.all_reduce(full),
     }
     if algorithms:  # every algorithm on its own, for the small-message comparison
-        all_reduce["tuned ring"] = lambda: tuned_all_reduce(full)
-        all_reduce["readable ring"] = lambda: ring_all_reduce(full)
-        all_reduce["recursive doubling"] = lambda: recursive_doubling_all_reduce(full)
-        all_reduce["halving-doubling"] = lambda: halving_doubling_all_reduce(full)
-        all_reduce["naive"] = lambda: naive_all_reduce(full)
+        all_reduce["tuned ring"] = lambda: tuned_all_reduce(full, check=False)
+        all_reduce["readable ring"] = lambda: ring_all_reduce(full, check=False)
+        all_reduce["recursive doubling"] = lambda: recursive_doubling_all_reduce(full, check=False)
+        all_reduce["halving-doubling"] = lambda: halving_doubling_all_reduce(full, check=False)
+        all_reduce["naive"] = lambda: naive_all_reduce(full, check=False)
         if not isinstance(algorithms, bool):  # only the named ones (fewer: shorter rounds)
             all_reduce = {
                 k: f for k, f in all_reduce.items() if k in ("ours", "torch", *algorithms)
@@ -106,11 +108,11 @@ def _runs(
     return {
         "all_reduce": all_reduce,
         "reduce_scatter": {
-            "ours": lambda: tuned_reduce_scatter(shard, full),
+            "ours": lambda: tuned_reduce_scatter(shard, full, check=False),
             "torch": lambda: _native("reduce_scatter_single", "reduce_scatter_tensor")(shard, full),
         },
         "all_gather": {
-            "ours": lambda: tuned_all_gather(full, shard),
+            "ours": lambda: tuned_all_gather(full, shard, check=False),
             "torch": lambda: _native("all_gather_single", "all_gather_into_tensor")(full, shard),
         },
     }
