@@ -380,7 +380,7 @@ def test_the_table_catches_a_missing_check_and_a_missing_guard() -> None:
     # without the guard, a tile failing on rank 1 wedges the group: the next call hangs
     # (the call's timeout) or returns a wrong result somewhere
     try:
-        steps = run_ranks(_unguarded_ring, world_size=WORLD, timeout=25)
+        steps = run_ranks(_unguarded_ring, world_size=WORLD, timeout=15)
     except (JobTimeoutError, RankFailedError):
         return
     assert any(s[1] != "ok" for s in steps), steps
