@@ -2,7 +2,9 @@
 
 One table, one warm 4-rank world (``tests/ranks.py``), one call. For each pattern (the ring,
 tuned ring, tree and hierarchical all-reduces, the all-to-all, ring attention, Ulysses,
-pipeline send/recv, expert-parallel dispatch, and the tuned ring as ``Comm`` calls it, with
+pipeline send/recv, expert-parallel dispatch (Ulysses and the experts faulted once in their
+forward and once in their backward; ring attention in its backward), and the tuned ring as
+``Comm`` calls it, with
 ``check=False``: no check, no settle, the peers of a failing rank complete instead of raising)
 every rank runs these steps in order, on the same group:
 
@@ -242,8 +244,13 @@ TABLE: dict[str, tuple[Callable[[str, dict[str, Any]], bool], tuple[str, str, in
         ("labkit.context_parallel.ring", "tile_backward", 2),
     ),
     "ulysses": (_attention("ulysses"), ("labkit.context_parallel.ulysses", "_local_attention", 1)),
+    "ulysses backward": (
+        _attention("ulysses"),
+        ("labkit.context_parallel.ulysses", "_local_grads", 1),
+    ),
     "pipeline send/recv": (_pipeline, None),
     "expert dispatch": (_experts, None),
+    "expert dispatch backward": (_experts, ("labkit.experts.parallel", "_local_backward", 1)),
     # Comm's hot path: no check, no settle; a failing rank's peers complete, the group lives
     UNCHECKED: (
         _all_reduce("tuned ring", check=False),

@@ -94,6 +94,11 @@ def _local_attention(qh, kh, vh, causal: bool, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
 
 
+def _local_grads(o: torch.Tensor, heads: list[torch.Tensor], d_o: torch.Tensor):
+    """The local attention's backward: gradients of the head-sharded q, k, v."""
+    return torch.autograd.grad(o, heads, d_o)
+
+
 class _Ulysses(torch.autograd.Function):
     """Forward: three all-to-alls, local attention, one back; backward: the same in reverse.
     One Function, so a local attention that raises (forward or backward) is a compute step
@@ -115,7 +120,7 @@ class _Ulysses(torch.autograd.Function):
         group, heads = ctx.group, ctx.heads
         with guarded("ulysses_attention backward", group, dout.device) as g:
             d_o = _to_heads(dout, group)  # (b, h/cp, s, d)
-            grads = g.run(torch.autograd.grad, ctx.o, heads, d_o, default=None)
+            grads = g.run(_local_grads, ctx.o, heads, d_o, default=None)
             if grads is None:
                 grads = [torch.zeros_like(t) for t in heads]
             dq, dk, dv = (_to_seq(t, group) for t in grads)

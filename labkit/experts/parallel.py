@@ -72,6 +72,11 @@ def _local_experts(moe: Any, arrived: torch.Tensor, perm: torch.Tensor, counts: 
     return moe.unpermute(out, perm)  # (R, d) source-major
 
 
+def _local_backward(back: torch.Tensor, grad: torch.Tensor) -> None:
+    """The experts' local backward: fills ``arrived.grad`` and the experts' ``.grad``."""
+    torch.autograd.backward(back, grad)
+
+
 class _RemoteExperts(torch.autograd.Function):
     """Dispatch, this rank's experts, combine, as ONE Function: its forward and backward each
     run the experts as a compute step of a guard (:mod:`labkit.collectives.guard`), so a rank
@@ -96,7 +101,7 @@ class _RemoteExperts(torch.autograd.Function):
         (group, impl, send, recv), (arrived, back) = ctx.args, ctx.saved
         with guarded("expert_parallel backward", group, grad.device) as g:
             g_back = exchange_rows(grad.contiguous(), send, recv, group, impl)  # (R, d)
-            g.run(torch.autograd.backward, back, g_back)  # into arrived.grad and the params
+            g.run(_local_backward, back, g_back)  # into arrived.grad and the params
             g_arrived = arrived.grad if arrived.grad is not None else torch.zeros_like(arrived)
             g_rows = exchange_rows(g_arrived, recv, send, group, impl)  # (M, d)
         ctx.saved = None
