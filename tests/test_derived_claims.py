@@ -28,6 +28,7 @@ from labkit.interview.estimates import (
     resnet50_counts,
 )
 from labkit.interview.ladder import first_rung, memory_ladder
+from labkit.interview.quiz import QUESTIONS
 from labkit.interview.say import crossing_axes, fp16_flush_below, placement_words
 from labkit.interview.scenarios import CKPT_100B, GPT_100B_3D
 from labkit.models.gpt import GPTConfig
@@ -69,6 +70,18 @@ def test_the_ladder_climbs_recompute_and_offload_before_model_parallelism() -> N
     assert [r.fits for r in rungs[:4]] == [False] * 4  # no ZeRO stage alone fits it
     # negative control: the stage-only ladder with a typed activation figure gave up
     assert first_fitting_stage(b30.num_params(), 8, 20e9) == "model parallel"
+    # the quiz's ladder (A3.2) climbs the same rungs: recompute, then offload, then split
+    full = rungs[5].estimate.activations
+    assert rungs[5].name == "ZeRO-3 + full recompute"
+    assert first_fitting_stage(b30.num_params(), 8, 20e9, recompute_bytes=full) == (
+        "zero3 + recompute"
+    )
+    assert first_fitting_stage(70e9, 8, 20e9, recompute_bytes=4e9) == "zero3 + recompute + offload"
+    assert first_fitting_stage(175e9, 8, 20e9, recompute_bytes=4e9) == "model parallel"
+    a32 = QUESTIONS["A3.2"]
+    for seed in range(60):
+        d = a32.draw(seed)
+        assert (d.expected == "model parallel") == (d.values["b"] == 175), d.values
     tiny = first_rung(b30, 8, 1e9)
     assert tiny is None  # a card nothing fits: then, and only then, split the model
     with pytest.raises(ValueError, match="gpus"):

@@ -180,6 +180,16 @@ def test_a_wrong_rung_of_the_ladder_is_told_which_way():
         check(d, "ddp")
     with pytest.raises(CheckFailed, match="take the first that fits"):
         check(d, "model parallel")
+    # at the ends a direction would name the one rung left that way: none is given
+    a32 = QUESTIONS["A3.2"]
+    top = next(a32.draw(s) for s in range(50) if a32.draw(s).expected == "model parallel")
+    with pytest.raises(CheckFailed, match="Re-check each rung") as wrong:
+        check(top, "zero3 + recompute + offload")
+    assert "climb higher" not in str(wrong.value)
+    ddp = next(q.draw(s) for s in range(50) if q.draw(s).expected == "ddp")
+    with pytest.raises(CheckFailed, match="Re-check each rung") as wrong:
+        check(ddp, "zero1")
+    assert "cheaper one below" not in str(wrong.value)
 
 
 def test_tolerance_accepts_within_and_rejects_outside():
@@ -321,6 +331,7 @@ def test_the_ids_beyond_the_cards_are_marked_and_point_at_their_notebooks():
 
 
 def test_time_to_train_and_hsdp_are_the_stated_arithmetic():
+    from labkit.collectives.cost_model import AlphaBeta
     from labkit.interview.estimates import GPU_PEAK_FLOPS, hsdp_vs_fsdp, time_to_train
 
     b = time_to_train(2e9, 1e11, 64, mfu=0.5, price_per_gpu_hour=3.0)
@@ -340,6 +351,22 @@ def test_time_to_train_and_hsdp_are_the_stated_arithmetic():
     assert h["hsdp"]["seconds"] < h["fsdp"]["seconds"]
     one = hsdp_vs_fsdp(2e9, 1, 8, LINKS["NVLink"], LINKS["InfiniBand"])  # one node: the same
     assert one["hsdp"]["seconds"] == pytest.approx(one["fsdp"]["seconds"])
+    # per-unit collectives (A2): only latency changes with the unit count, bytes do not
+    free = {k: AlphaBeta(0.0, v.beta) for k, v in LINKS.items()}
+    whole = hsdp_vs_fsdp(2e9, 8, 8, free["NVLink"], free["InfiniBand"], nics_per_node=8)
+    split = hsdp_vs_fsdp(2e9, 8, 8, free["NVLink"], free["InfiniBand"], nics_per_node=8, units=24)
+    for name in ("fsdp", "hsdp"):
+        assert split[name]["seconds"] == pytest.approx(whole[name]["seconds"])
+    args = (2e9, 8, 8, LINKS["NVLink"], LINKS["InfiniBand"])
+    rail1 = hsdp_vs_fsdp(*args, nics_per_node=8)
+    rail24 = hsdp_vs_fsdp(*args, nics_per_node=8, units=24)
+    # FSDP's 63-GPU rings pay 63 latencies per unit, HSDP's pay 7: per layer, HSDP wins on
+    # 8 NICs a node; the whole-model pricing (units=1) says the opposite (the negative control)
+    assert rail24["hsdp"]["seconds"] < rail24["fsdp"]["seconds"]
+    assert rail1["fsdp"]["seconds"] < rail1["hsdp"]["seconds"]
+    assert rail24["fsdp"]["seconds"] - rail1["fsdp"]["seconds"] > (
+        rail24["hsdp"]["seconds"] - rail1["hsdp"]["seconds"]
+    )
 
 
 def test_long_context_and_moe_formulas():

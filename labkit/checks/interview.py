@@ -62,9 +62,14 @@ def feedback(d: Drawn, answer: Any) -> str:
     if q.choices is not None:
         side, picked = "", _choice(q, answer)
         if q.ordered and picked is not None:  # a ladder: say which way, not which rung
-            below = q.choices.index(picked) < q.choices.index(d.expected)
+            at = q.choices.index(picked)
+            below = at < q.choices.index(d.expected)
+            # a direction with one rung left that way would name it: then only "re-check"
+            left = len(q.choices) - 1 - at if below else at
             side = (
-                " It does not fit: climb higher."
+                " Re-check each rung in order."
+                if left < 2
+                else " It does not fit: climb higher."
                 if below
                 else " It fits, but so does a cheaper one below it: take the first that fits."
             )

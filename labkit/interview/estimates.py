@@ -35,7 +35,8 @@ from labkit.collectives.cost_model import (
     ring_all_reduce_time,
 )
 from labkit.hardware import value
-from labkit.memory.model import MIXED_ADAM, STAGES, Precision, model_states
+from labkit.interview.ladder import first_fitting_stage
+from labkit.memory.model import model_states
 from labkit.planner.budget import training_flops
 from labkit.planner.steptime import BUCKET_BYTES
 
@@ -183,26 +184,6 @@ def workers_needed(samples_per_second: float, seconds_per_sample: float) -> int:
     return math.ceil(samples_per_second * seconds_per_sample)
 
 
-def first_fitting_stage(
-    psi: float,
-    world_size: int,
-    activation_bytes: float,
-    gpu_bytes: float = GPU_MEMORY,
-    precision: Precision = MIXED_ADAM,
-    headroom: float = 0.9,
-) -> str:
-    """The first of DDP, ZeRO-1, -2, -3 whose model states plus activations fit in
-    ``headroom * gpu_bytes``; ``"model parallel"`` when none does (then, and only then, tensor
-    or pipeline parallelism: pitfall P3)."""
-    for stage in STAGES:
-        if (
-            model_states(stage, psi, world_size, precision).total + activation_bytes
-            <= headroom * gpu_bytes
-        ):
-            return stage
-    return "model parallel"
-
-
 def sum_order_changes_bits(n: int = 1 << 16, seed: int = 0) -> bool:
     """Does a float32 sum split over 2 ranks differ, bit for bit, from the same sum over 4?
 
@@ -259,7 +240,7 @@ def time_to_train(
 
 def hsdp_vs_fsdp(
     psi: float, nodes: int, gpus_per_node: int, intra: AlphaBeta, inter: AlphaBeta,
-    elem_bytes: int = 2, nics_per_node: int = 1,
+    elem_bytes: int = 2, nics_per_node: int = 1, units: int = 1,
 ) -> dict[str, dict[str, float]]:
     """Per GPU: model-state bytes, bytes through each node's uplink per step, and seconds of
     the step's parameter/gradient collectives, for FSDP/ZeRO-3 over all ``n k`` GPUs against
@@ -272,15 +253,16 @@ def hsdp_vs_fsdp(
     psi``). HSDP: the same three collectives inside the node (fast link), then an all-reduce
     across nodes of each GPU's ``D/k`` gradient shard, the ``k`` shards sharing the node's NICs
     (``ceil(k / nics)`` flows a NIC): ``2 (n-1)/n D`` bytes through the uplink. Memory: HSDP's
-    states are sharded ``k`` ways, not ``n k``.
+    states are sharded ``k`` ways, not ``n k``. Both gather and reduce per wrapped unit (a
+    block): ``units`` collectives of ``D/units`` each, every one paying its ring's latencies.
     """
     p, k, n = nodes * gpus_per_node, gpus_per_node, nodes
-    d = elem_bytes * psi
-    fsdp_s = 1.5 * flat_ring_two_level_time(d, n, k, intra, inter, nics_per_node)
+    d, u = elem_bytes * psi, elem_bytes * psi / units  # whole model, one unit
+    fsdp_s = units * 1.5 * flat_ring_two_level_time(u, n, k, intra, inter, nics_per_node)
     sharing = -(-k // nics_per_node)  # HSDP's cross-node flows per NIC
-    hsdp_s = 1.5 * ring_all_reduce_time(d, k, *intra) + (
-        ring_all_reduce_time(d / k, n, inter.alpha, inter.beta * sharing) if n > 1 else 0.0
-    )
+    hsdp_s = units * (1.5 * ring_all_reduce_time(u, k, *intra) + (
+        ring_all_reduce_time(u / k, n, inter.alpha, inter.beta * sharing) if n > 1 else 0.0
+    ))
     return {
         "fsdp": {
             "states": model_states("zero3", psi, p).total,

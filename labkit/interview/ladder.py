@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.hardware import value
 from labkit.memory.estimate import MemoryEstimate, TrainSetup, estimate
+from labkit.memory.model import MIXED_ADAM, STAGES, Precision, model_states
 from labkit.models.gpt import GPTConfig
 
-__all__ = ["RUNGS", "Rung", "first_rung", "memory_ladder"]
+__all__ = ["RUNGS", "STAGE_LADDER", "Rung", "first_fitting_stage", "first_rung", "memory_ladder"]
 
 # (name, ZeRO stage, recompute, optimizer offloaded)
 RUNGS: tuple[tuple[str, str, str, bool], ...] = (
@@ -60,3 +62,35 @@ def memory_ladder(cfg: GPTConfig, gpus: int, card_bytes: float,
 def first_rung(cfg: GPTConfig, gpus: int, card_bytes: float, micro_batch: int = 1) -> Rung | None:
     """The cheapest rung that fits; None: only then tensor or pipeline parallelism."""
     return next((r for r in memory_ladder(cfg, gpus, card_bytes, micro_batch) if r.fits), None)
+
+
+# The quiz's ladder when activations are given as figures (no model shape): the stages, then
+# the two rungs that spend compute or the host link before any model parallelism.
+STAGE_LADDER = (*STAGES, "zero3 + recompute", "zero3 + recompute + offload", "model parallel")
+
+
+def first_fitting_stage(
+    psi: float,
+    world_size: int,
+    activation_bytes: float,
+    gpu_bytes: float | None = None,
+    precision: Precision = MIXED_ADAM,
+    headroom: float = 0.9,
+    recompute_bytes: float | None = None,
+) -> str:
+    """The first of DDP, ZeRO-1, -2, -3 whose model states plus activations fit in
+    ``headroom * gpu_bytes`` (an A100's memory by default). Given ``recompute_bytes`` (the
+    activations under full recompute), ZeRO-3 with them, then also with the optimizer state on
+    the host (ZeRO-Offload: ``(param + grad bytes) psi / N`` stay), come before ``"model
+    parallel"``; without it ``"model parallel"`` means only "no ZeRO stage alone fits"."""
+    budget = headroom * (value("a100.memory") if gpu_bytes is None else gpu_bytes)
+    for stage in STAGES:
+        if model_states(stage, psi, world_size, precision).total + activation_bytes <= budget:
+            return stage
+    if recompute_bytes is not None:
+        z3 = model_states("zero3", psi, world_size, precision)
+        if z3.total + recompute_bytes <= budget:
+            return "zero3 + recompute"
+        if z3.total - z3.optimizer_state + recompute_bytes <= budget:
+            return "zero3 + recompute + offload"
+    return "model parallel"
