@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from labkit.hardware import value
-from labkit.memory.fp8 import fp8_activation_saving, fp8_gather_bytes
+from labkit.memory.fp8 import fp8_activation_saving, fp8_gather_bytes, fp8_weight_copy_bytes
 from labkit.memory.model import activation_bytes_per_layer
 from labkit.models.gpt import preset
 from labkit.planner.cluster import CLUSTERS
@@ -38,6 +38,7 @@ def test_activation_saving_is_half_the_linears_inputs() -> None:
         kept = activation_bytes_per_layer(s, b, h, 32, tp=tp, sp=sp)
         assert 0 < fp8_activation_saving(s, b, h, tp=tp, sp=sp) < kept / 4
     assert fp8_gather_bytes(1e9, fp8=True) * 2 == fp8_gather_bytes(1e9, fp8=False)
+    assert fp8_weight_copy_bytes(h, 24, tp=8) == 24 * 12 * h * h / 8  # one byte a weight
     # the FP8 linear really keeps x in one byte a value (plus one fp32 scale)
     x = torch.randn(256, 512)
     q = Tensorwise().quantize(x, E4M3, 1, "activation")
@@ -54,6 +55,7 @@ def test_fp8_gain_on_the_planners_choices() -> None:
         assert fp8["compute"] < bf16["compute"] and g["speedup"] > 1.1
         assert fp8["tp_comm"] == bf16["tp_comm"] and fp8["optimizer"] == bf16["optimizer"]
         assert g["mfu_bf16_peak"][1] > g["mfu_bf16_peak"][0] > g["mfu_fp8_peak"] / 2
+        assert g["weight_copies"] == fp8_weight_copy_bytes(cfg.n_embd, cfg.n_layer, 1)
         if pred.candidate.zero == 3:  # FSDP's FP8 all-gather: half the parameter bytes
             assert fp8["dp_comm"] < bf16["dp_comm"]
             assert g["gather_bytes"][1] * 2 == g["gather_bytes"][0]

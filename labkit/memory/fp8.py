@@ -19,11 +19,17 @@ ZeRO-3 with FP8 weights) casts each rank's shard to FP8 *before* the all-gather,
 gathered layer, ZeRO-3's transient workspace, and its all-gather bytes halve:
 ``1 * P_layer`` instead of ``2 * P_layer``. The fp32 master weights, gradients and Adam
 moments are unchanged (FP8 is a compute format, not a storage format for the optimizer).
+
+**What FP8 adds.** Each linear's forward casts its weight and keeps that FP8 copy for the
+input gradient (:mod:`labkit.precision.fp8.linear` does; so does torchao unless told to
+recompute it, and Transformer Engine caches it for the step): one byte per linear weight
+element, from the forward to the backward of every layer a rank holds. The four linears of
+a GPT layer have ``12 h^2`` weights, ``12 h^2 / t`` on a tp rank.
 """
 
 from __future__ import annotations
 
-__all__ = ["fp8_activation_saving", "fp8_gather_bytes"]
+__all__ = ["fp8_activation_saving", "fp8_gather_bytes", "fp8_weight_copy_bytes"]
 
 
 def fp8_activation_saving(seq: int, batch: int, hidden: int, *, tp: int = 1, sp: bool = False,
@@ -46,3 +52,11 @@ def fp8_gather_bytes(layer_params: float, fp8: bool) -> float:
     if layer_params < 0:
         raise ValueError(f"layer_params must be >= 0, got {layer_params}")
     return layer_params * (1 if fp8 else 2)
+
+
+def fp8_weight_copy_bytes(hidden: int, layers: int, tp: int = 1) -> float:
+    """Bytes of the FP8 weight copies ``layers`` GPT layers keep from forward to backward on
+    one of ``tp`` ranks: one byte per element of the four linears' ``12 h^2 / t`` weights."""
+    if min(hidden, layers, tp) < 1:
+        raise ValueError(f"need positive sizes, got hidden={hidden} layers={layers} tp={tp}")
+    return 12.0 * hidden * hidden / tp * layers

@@ -16,6 +16,8 @@ ZeRO-3 gathers, and the saved activations at one byte.
 * **ZeRO-3 all-gathers** (FSDP2 + torchao's FP8 all-gather): the parameters travel at one
   byte (``Precision.param_bytes = 1`` on the dp side of :func:`step_time`); ZeRO-1/2's one
   gather of updated weights and every reduce stay 16/32-bit.
+* **Memory**: the linears' saved inputs at one byte, less the FP8 weight copies each layer
+  keeps for its backward (:mod:`labkit.memory.fp8`).
 * **MFU** is counted against the bf16 peak, as the field reports it (the FP8-peak figure is
   given beside it).
 """
@@ -26,7 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from labkit.hardware import value
-from labkit.memory.fp8 import fp8_activation_saving
+from labkit.memory.fp8 import fp8_activation_saving, fp8_weight_copy_bytes
 from labkit.models.gpt import GPTConfig
 from labkit.planner.cluster import Cluster
 from labkit.planner.flops import megatron_flops_per_iteration
@@ -57,7 +59,7 @@ def fp8_chip(cluster: Cluster) -> tuple[Chip, Chip, float]:
 def fp8_gain(cfg: GPTConfig, cluster: Cluster, global_batch: int, cand: Candidate,
              dp_overlap: bool = True) -> dict[str, Any]:  # fmt: skip
     """bf16 against FP8 for one plan: step seconds by term, MFU (bf16 peak; and FP8 peak),
-    activation and ZeRO-3 gather bytes per GPU (module docstring)."""
+    activation, FP8 weight-copy and ZeRO-3 gather bytes per GPU (module docstring)."""
     chip, chip8, peak8 = fp8_chip(cluster)
     m = global_batch // (cand.dp * cand.micro_batch)
     s, h, a, b, t = cfg.block_size // cand.cp, cfg.n_embd, cfg.n_head, cand.micro_batch, cand.tp
@@ -91,6 +93,7 @@ def fp8_gain(cfg: GPTConfig, cluster: Cluster, global_batch: int, cand: Candidat
         "gemm_ratio": g8 / g16, "mfu_bf16_peak": (flops / (sec16 * n * cluster.peak_flops),
                                                   flops / (sec8 * n * cluster.peak_flops)),
         "mfu_fp8_peak": flops / (sec8 * n * peak8), "activations": (act16, act8),
+        "weight_copies": fp8_weight_copy_bytes(h, blocks, t),
         "gather_bytes": (float(mem.params_per_gpu) * 2, float(mem.params_per_gpu))
         if cand.zero == 3 else (0.0, 0.0),
     }  # fmt: skip
