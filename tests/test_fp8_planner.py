@@ -61,3 +61,19 @@ def test_fp8_gain_on_the_planners_choices() -> None:
             assert g["gather_bytes"][1] * 2 == g["gather_bytes"][0]
         else:
             assert fp8["dp_comm"] == bf16["dp_comm"]
+
+
+def test_the_memory_estimate_counts_fp8_linears() -> None:
+    from labkit.memory.estimate import TrainSetup, estimate
+
+    cfg = preset("gpt2-1.3b")
+    s, h, L = cfg.block_size, cfg.n_embd, cfg.n_layer
+    bf16 = estimate(cfg, TrainSetup(micro_batch=2, tp=2))
+    fp8 = estimate(cfg, TrainSetup(micro_batch=2, tp=2, fp8=True))
+    want = -fp8_activation_saving(s, 2, h, tp=2) * L + fp8_weight_copy_bytes(h, L, 2)
+    assert fp8.activations - bf16.activations == pytest.approx(want)
+    assert fp8.activations < bf16.activations  # at this shape the savings outweigh the copies
+    assert (fp8.parameters, fp8.gradients, fp8.optimizer_state, fp8.workspace) == (
+        bf16.parameters, bf16.gradients, bf16.optimizer_state, bf16.workspace)  # fmt: skip
+    full = TrainSetup(micro_batch=2, recompute="full")  # only block inputs kept: no change
+    assert estimate(cfg, full.with_(fp8=True)).total == estimate(cfg, full).total

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from labkit.memory.fp8 import fp8_activation_saving, fp8_weight_copy_bytes
 from labkit.memory.model import FP32_ADAM, MIXED_ADAM, RECOMPUTE, STAGES, Precision
 from labkit.memory.moe_cp import MoESpec
 from labkit.memory.per_gpu import (
@@ -92,6 +93,7 @@ class TrainSetup:
     # mixed precision: gradients upcast to fp32 this many at a time (0: all at once)
     grad_chunk_params: int = 64 * 2**20
     allowance: float = 0.5 * GIB  # stated fixed workspace: library buffers, allocator slack
+    fp8: bool = False  # FP8 linears: inputs saved in one byte, weight copies kept (memory/fp8)
 
     def __post_init__(self) -> None:
         if self.zero not in STAGES:
@@ -134,7 +136,7 @@ def estimate(
     if s > cfg.block_size:
         raise ValueError(f"seq={s} exceeds the model's block_size={cfg.block_size}")
     prec, elem = PRECISIONS[setup.precision]
-    return gpu_memory(
+    est = gpu_memory(
         cfg, micro_batch=setup.micro_batch, seq=s, shard=setup.dp * setup.cp, tp=setup.tp,
         pp=setup.pp, cp=setup.cp, ep=setup.ep, moe=moe,
         zero=setup.zero, precision=prec, act_bytes=elem, recompute=setup.recompute,
@@ -142,6 +144,20 @@ def estimate(
         offload="optimizer" if setup.offload_optimizer else "none",
         grad_chunk_params=setup.grad_chunk_params, allowance=setup.allowance,
     )  # fmt: skip
+    return _with_fp8(est, cfg, setup, s) if setup.fp8 else est
+
+
+def _with_fp8(est: MemoryEstimate, cfg: GPTConfig, setup: TrainSetup, seq: int
+              ) -> MemoryEstimate:  # fmt: skip
+    """FP8 linears (:mod:`labkit.memory.fp8`): the first stage's ``ceil(L/pp)`` layers times
+    ``pp`` micro-batches in flight keep their linears' inputs in one byte, and each layer its
+    weights' FP8 copy (none under full recompute: the rerun forward makes it again)."""
+    blocks = -(-cfg.n_layer // setup.pp)
+    saved = fp8_activation_saving(seq // setup.cp, setup.micro_batch, cfg.n_embd, tp=setup.tp,
+                                  sp=setup.sp, recompute=setup.recompute)  # fmt: skip
+    copies = 0.0 if setup.recompute == "full" else fp8_weight_copy_bytes(cfg.n_embd, blocks,
+                                                                          setup.tp)  # fmt: skip
+    return replace(est, activations=est.activations - saved * blocks * setup.pp + copies)
 
 
 def measured_vs_predicted(record: dict, est: MemoryEstimate) -> dict[str, tuple[float, float]]:
