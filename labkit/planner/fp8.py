@@ -17,7 +17,8 @@ ZeRO-3 gathers, and the saved activations at one byte.
   byte (``Precision.param_bytes = 1`` on the dp side of :func:`step_time`); ZeRO-1/2's one
   gather of updated weights and every reduce stay 16/32-bit.
 * **Memory**: the linears' saved inputs at one byte, less the FP8 weight copies each layer
-  keeps for its backward (:mod:`labkit.memory.fp8`).
+  keeps for its backward (:mod:`labkit.memory.fp8`; neither under full recompute, where a
+  layer keeps only its input and the rerun forward casts again).
 * **MFU** is counted against the bf16 peak, as the field reports it (the FP8-peak figure is
   given beside it).
 """
@@ -93,7 +94,7 @@ def fp8_gain(cfg: GPTConfig, cluster: Cluster, global_batch: int, cand: Candidat
         "gemm_ratio": g8 / g16, "mfu_bf16_peak": (flops / (sec16 * n * cluster.peak_flops),
                                                   flops / (sec8 * n * cluster.peak_flops)),
         "mfu_fp8_peak": flops / (sec8 * n * peak8), "activations": (act16, act8),
-        "weight_copies": fp8_weight_copy_bytes(h, blocks, t),
+        "weight_copies": 0.0 if cand.recompute == "full" else fp8_weight_copy_bytes(h, blocks, t),
         "gather_bytes": (float(mem.params_per_gpu) * 2, float(mem.params_per_gpu))
         if cand.zero == 3 else (0.0, 0.0),
     }  # fmt: skip
