@@ -71,8 +71,7 @@ def test_the_ladder_climbs_recompute_and_offload_before_model_parallelism() -> N
     # negative control: the stage-only ladder with a typed activation figure gave up
     assert first_fitting_stage(b30.num_params(), 8, 20e9) == "model parallel"
     # the quiz's ladder (A3.2) climbs the same rungs: recompute, then offload, then split
-    full = rungs[5].estimate.activations
-    assert rungs[5].name == "ZeRO-3 + full recompute"
+    full = next(r for r in rungs if r.name == "ZeRO-3 + full recompute").estimate.activations
     assert first_fitting_stage(b30.num_params(), 8, 20e9, recompute_bytes=full) == (
         "zero3 + recompute"
     )
@@ -108,7 +107,11 @@ def test_s6_keeps_dp_on_nvlink_and_only_pp_crosses() -> None:
 
 def test_the_async_stall_is_the_snapshot_over_the_host_link() -> None:
     per_gpu = CKPT_100B.params * CKPT_100B.bytes_per_param / CKPT_100B.gpus
-    assert CKPT_100B.async_save_seconds() == pytest.approx(per_gpu / value("a100.host_link"))
+    shared = value("a100.host_link") / value("a100.gpus_per_host_uplink")  # 2 GPUs a switch
+    assert CKPT_100B.async_save_seconds() == pytest.approx(per_gpu / shared)
+    # negative control: a GPU alone on its uplink would snapshot in half the time
+    alone = dataclasses.replace(CKPT_100B, host_sharing=1)
+    assert alone.async_save_seconds() == pytest.approx(CKPT_100B.async_save_seconds() / 2)
     assert CKPT_100B.sync_save_seconds == pytest.approx(
         CKPT_100B.params * 12 / (8 * value("s6.ckpt_write_bandwidth")))
     fail = CKPT_100B.failures()  # notebook 08's budget reads the same run
@@ -129,3 +132,61 @@ def test_k8_reads_a_recorded_gpu_run_or_says_there_is_none(tmp_path) -> None:
     new.write_text(json.dumps({"device": "H200"}))
     os.utime(old, (1, 1))  # the older file loses
     assert recorded_gpu_h2d(tmp_path) == {"device": "H200"}
+
+
+def test_the_node_loss_fallback_drops_the_batch_it_cannot_keep() -> None:
+    from labkit.interview.scenarios import GPT_100B_3D as s6
+    from labkit.viz.planner import plan_3d
+
+    assert s6.fallback_batch == s6.global_batch // s6.nodes * (s6.nodes - 1) < s6.global_batch
+    # negative control: at the whole batch no layout of the nodes left exists
+    assert plan_3d(s6.cfg, s6.cluster.with_nodes(s6.nodes - 1), s6.global_batch) == []
+    assert s6.fallback().candidate.dp % (s6.nodes - 1) == 0
+    # the quiz says the same as the scenario (13 §K11, 17 § 8): the batch drops
+    answer = QUESTIONS["S6.6"].draw(0).expected
+    assert f"keeps {s6.global_batch}" in answer and f"drops to {s6.fallback_batch}" in answer
+    assert "by accumulation" not in answer
+
+
+def test_k9_weak_and_strong_at_512_gpus_are_different_runs() -> None:
+    import re
+    from dataclasses import replace
+    from pathlib import Path
+
+    import nbformat
+
+    from labkit.models.gpt import preset
+    from labkit.planner import CLUSTERS, predict
+    from labkit.planner.space import Candidate
+
+    walk = Path(__file__).resolve().parent.parent / "notebooks" / "13_interview_walkthroughs.ipynb"
+    k9 = next(c.source for c in nbformat.read(walk, as_version=4).cells
+              if c.cell_type == "code" and "STRONG_BATCH = " in c.source)  # fmt: skip
+    strong = int(re.search(r"STRONG_BATCH = (\d+)", k9).group(1))  # type: ignore[union-attr]
+    weak = int(re.search(r"WEAK_PER_GPU = (\d+)", k9).group(1))  # type: ignore[union-attr]
+    cl = replace(CLUSTERS["dgx-a100-80gb"], nodes=64, gpus_per_node=8)
+    cand = Candidate(dp=512, tp=1, pp=1, micro_batch=1, zero=0, recompute="none")
+
+    def step(batch: int) -> float:
+        return predict(preset("gpt2-1.3b"), cl, batch, cand).step_seconds
+
+    # negative control: at one sequence per GPU, weak at 512 GPUs IS strong's run
+    assert step(512 * 1) == step(strong)
+    assert 512 * weak != strong and step(512 * weak) != step(strong)
+
+
+def test_the_ladder_drops_a_recompute_rung_that_stores_nothing_less() -> None:
+    from labkit.interview.ladder import offload_seconds
+    from labkit.memory.estimate import TrainSetup, estimate
+
+    b30 = GPTConfig(vocab_size=51_200, block_size=2048, n_layer=60, n_head=52, n_embd=6656)
+    names = [r.name for r in memory_ladder(b30, 8, GPU_MEMORY)]
+    assert "ZeRO-3 + selective recompute" not in names and "ZeRO-3 + full recompute" in names
+    # why: under SDPA the selective rung keeps no recompute's activations and adds workspace
+    none, sel = (estimate(b30, TrainSetup(dp=8, zero="zero3", recompute=r))
+                 for r in ("none", "selective"))  # fmt: skip
+    assert sel.activations == none.activations and sel.total > none.total
+    # offload's price in time: 16-bit gradients out and parameters back, over the host link
+    link = value("a100.host_link")
+    assert offload_seconds(64e9, 8, link) == pytest.approx(2 * 2 * 8e9 / link)
+    assert offload_seconds(64e9, 16, link) == pytest.approx(offload_seconds(64e9, 8, link) / 2)

@@ -251,3 +251,21 @@ def test_the_prose_scan_catches_the_typed_lines_issue_35_found() -> None:  # neg
     assert say_claims("**Say:** printed below, from the cell's numbers. **Monitor:**") == []
     ok = 'print(f"Say: a synchronous {tb:.1f} TB save at {bw / 1e9:.0f} GB/s ({t:.0f} s)")'
     assert [p for t in say_templates(ok) for p in unit_numbers(t)] == []
+
+
+def test_the_a100_mfu_band_is_model_flops_not_narayanans_hardware_flops() -> None:
+    from labkit.planner.flops import MEGATRON_TABLE1, megatron_flops_per_iteration
+    from labkit.planner.published import MEGATRON_README_UTILIZATION
+
+    b = hardware.band("a100.mfu")
+    assert b.high == MEGATRON_README_UTILIZATION["1T"][0]  # the README's MFU, not its HFU
+    # Narayanan et al. 2021's 1T row: 163 TFLOP/s counted with the recompute forward (96 B s l
+    # h^2) is hardware FLOP utilisation; without that forward (72) it is below the band
+    row = MEGATRON_TABLE1[-1]
+    args = (row.batch, 2048, row.layers, row.hidden, 51_200)
+    hfu = row.tflops_per_gpu * 1e12 / hardware.value("a100.peak_bf16")
+    mfu = hfu * megatron_flops_per_iteration(*args, recompute=False) / (
+        megatron_flops_per_iteration(*args, recompute=True))
+    assert b.verdict(mfu) == "below" and 0.38 < mfu < 0.40
+    # negative control: the 2021 figure read as MFU (0.52) would sit inside the band
+    assert b.verdict(hfu) == "within"

@@ -192,6 +192,11 @@ def test_lesson_11_and_13_print_the_same_1p3b_ladder_and_choice():
     assert f"and the choice: {GPT_1P3B.choice()}" in walk
     for stage, e in ladder.items():
         assert re.search(rf"{stage}\s+on {gpus} x 24 GB:\s+{e.total / 1e9:5.1f} GB", walk), stage
+    # the Say names the chosen stage's states, not its total, as "the states" (P4)
+    ch = ladder[GPT_1P3B.choice()]
+    states = (ch.parameters + ch.gradients + ch.optimizer_state) / 1e9
+    assert f"shards the states to {states:.1f} GB, {ch.total / 1e9:.1f} GB per GPU" in walk
+    assert f"the states to {ch.total / 1e9:.1f} GB" not in walk  # the old mislabel
 
 
 def test_lesson_09_and_13_print_the_same_bert_allreduce():
@@ -291,6 +296,9 @@ def test_13_and_17_take_k11_from_one_scenario(monkeypatch):
                                             (new.tp, new.dp))  # fmt: skip
     assert f"tp {old.tp} x ZeRO over dp {old.dp}" in statement and statement in walk
     assert "from 2 old shards at most" in statement  # dp 2 -> 56: ranges straddle two shards
+    # the Say states the batch the 7 nodes run, and an every-step save is priced at S6's step
+    assert f"drops to {GPT_100B_3D.fallback_batch}" in walk
+    assert f"every {GPT_100B_3D.choice().step_seconds:.1f}-s step of S6" in walk
     # 17 § 8 prints it with the same calls, after the drill (not run here: it needs the drill)
     assert "S6.fallback()" in lesson_code and "CKPT_100B.node_loss_reshard(" in lesson_code
     # negative controls: another restart cost or write bandwidth is caught in both outputs,

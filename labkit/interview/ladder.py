@@ -19,7 +19,8 @@ from labkit.memory.estimate import MemoryEstimate, TrainSetup, estimate
 from labkit.memory.model import MIXED_ADAM, STAGES, Precision, model_states
 from labkit.models.gpt import GPTConfig
 
-__all__ = ["RUNGS", "STAGE_LADDER", "Rung", "first_fitting_stage", "first_rung", "memory_ladder"]
+__all__ = ["RUNGS", "STAGE_LADDER", "Rung", "first_fitting_stage", "first_rung", "memory_ladder",
+           "offload_seconds"]
 
 # (name, ZeRO stage, recompute, optimizer offloaded)
 RUNGS: tuple[tuple[str, str, str, bool], ...] = (
@@ -51,12 +52,21 @@ def memory_ladder(cfg: GPTConfig, gpus: int, card_bytes: float,
     if gpus < 1 or card_bytes <= 0 or micro_batch < 1:
         raise ValueError(f"need gpus >= 1, card_bytes > 0, micro_batch >= 1; got {gpus}, "
                          f"{card_bytes}, {micro_batch}")  # fmt: skip
-    out = []
+    out: list[Rung] = []
     for name, zero, recompute, offload in RUNGS:
         e = estimate(cfg, TrainSetup(micro_batch=micro_batch, dp=gpus, zero=zero,
                                      recompute=recompute, offload_optimizer=offload))  # fmt: skip
+        if recompute != "none" and out and e.activations >= out[-1].estimate.activations:
+            continue  # a recompute that stores nothing less (selective under SDPA): no rung
         out.append(Rung(name, e, e.fits(card_bytes)))
     return out
+
+
+def offload_seconds(psi: float, gpus: int, host_link: float, elem_bytes: int = 2) -> float:
+    """Host-link seconds a step of the offload rung adds (ZeRO-Offload, Ren et al. 2021): each
+    GPU sends its ``psi / gpus`` 16-bit gradients to the host and takes the updated 16-bit
+    parameters back, one after the other (the CPU's Adam step runs between them, not priced)."""
+    return 2 * elem_bytes * psi / gpus / host_link
 
 
 def first_rung(cfg: GPTConfig, gpus: int, card_bytes: float, micro_batch: int = 1) -> Rung | None:

@@ -115,11 +115,16 @@ class PlannerScenario:
     def choice(self) -> Prediction:
         return self.plan()[0]
 
+    @property
+    def fallback_batch(self) -> int:
+        """The global batch after a node is lost: the lost node's share is dropped, since the
+        whole batch may have no layout on the nodes left (notebook 17 section 8)."""
+        return self.global_batch // self.nodes * (self.nodes - 1)
+
     def fallback(self) -> Prediction:
-        """The best layout when a node is lost (notebook 17 section 8): one node fewer, the
-        global batch cut to a multiple the smaller data-parallel size can keep (the whole
-        batch's share of the nodes left); raises when nothing fits."""
-        smaller = self.global_batch // self.nodes * (self.nodes - 1)
+        """The best layout when a node is lost (notebook 17 section 8): one node fewer at
+        :attr:`fallback_batch` (the lr rescaled with it); raises when nothing fits."""
+        smaller = self.fallback_batch
         ranked = _fallback(self, smaller)
         if not ranked:
             raise ValueError(f"{self.name}: nothing fits {self.nodes - 1} nodes at {smaller}")
@@ -178,6 +183,7 @@ class CheckpointScenario:
     on_gpus: int  # ... on this many GPUs
     restart_seconds: float
     host_link: float  # bytes/s of one GPU's device-to-host copy (the async snapshot)
+    host_sharing: int  # GPUs behind one host uplink, all copying at once
     probe_numel: int  # parameters of the state save_vs_async times on this machine
     lesson: str
 
@@ -203,8 +209,9 @@ class CheckpointScenario:
 
     def async_save_seconds(self) -> float:
         """An asynchronous save's stall at scale: the device-to-host snapshot, each GPU's
-        share of the bytes over its own host link (all GPUs copy at once)."""
-        return self.bytes_per_gpu / self.host_link
+        share of the bytes over its host link, which ``host_sharing`` GPUs share (all copy at
+        once)."""
+        return self.bytes_per_gpu * self.host_sharing / self.host_link
 
     def failures(self) -> Failures:
         """The same run for :func:`labkit.planner.budget.run_budget` (notebook 08): MTBF per
@@ -286,6 +293,7 @@ CKPT_100B = CheckpointScenario(
     write_bandwidth=value("s6.ckpt_write_bandwidth"),
     interruptions=int(value("failures.interruptions")), days=value("failures.days"),
     on_gpus=int(value("failures.gpus")), restart_seconds=value("s6.restart_seconds"),
-    host_link=value("a100.host_link"), probe_numel=2_000_000, lesson="17",
+    host_link=value("a100.host_link"), host_sharing=int(value("a100.gpus_per_host_uplink")),
+    probe_numel=2_000_000, lesson="17",
 )  # fmt: skip
 SCENARIOS = {"S3": GPT_1P3B, "S4": BERT_4NODES, "S5": GPT_10B_MIXED, "S6": GPT_100B_3D}
