@@ -401,3 +401,19 @@ def test_fp8_is_beyond_the_cards_and_its_arithmetic_is_the_formats():
         fp8_range_bits("bf16")
     with pytest.raises(ValueError, match="gemm=2"):
         fp8_step_seconds(1.0, 2)
+
+
+def test_scaling_efficiency_draws_are_possible():
+    import dataclasses
+    import itertools
+
+    from labkit.interview.estimates import strong_efficiency
+
+    for qid in ("K9.1", "K9.2"):
+        q = QUESTIONS[qid]
+        names = list(q.params)
+        for combo in itertools.product(*(q.params[n] for n in names)):
+            d = dataclasses.replace(q.draw(0), values=dict(zip(names, combo, strict=True)))
+            assert 0 < d.expected <= 1, (qid, d.values, d.expected)
+    # negative control: the old draw (12 s on 1 GPU, 2.5 s on 4) claimed 120%
+    assert strong_efficiency(12, 2.5, 4) > 1

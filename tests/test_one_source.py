@@ -219,6 +219,15 @@ def test_13_prints_the_planners_choice_for_10b_and_100b():
     for label, scen in (("notebook 10,    choice", GPT_10B_MIXED), ("choice", GPT_100B_3D)):
         c = scen.choice().candidate
         assert f"{label}: dp={c.dp} tp={c.tp} pp={c.pp}" in walk, (label, c)
+    # S5 prints the bytes each link carries (mixed_links.traffic), the slow one in the Say
+    from labkit.labs.mixed_links import traffic
+
+    c5 = GPT_10B_MIXED.choice().candidate
+    sent = traffic(GPT_10B_MIXED.cfg, GPT_10B_MIXED.global_batch, c5, GPT_10B_MIXED.cluster)
+    slow = sum(b for b, link in sent.values() if link == "slow")
+    assert f"pp {sent['pp'][0] / 1e9:.1f} GB on the slow (Ethernet) link" in walk
+    assert f"tp {sent['tp'][0] / 1e9:.1f} GB on the fast (NVLink) link" in walk
+    assert f"carrying {slow / 1e9:.1f} GB a GPU a step" in walk and 0 < slow < sent["tp"][0]
 
 
 def test_06_11_13_agree_on_1p3b_activations_or_name_the_difference():

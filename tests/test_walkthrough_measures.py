@@ -106,3 +106,19 @@ def test_fp16_gradients_underflow_and_the_scaler_or_bf16_keep_them():
     assert got["bf16"]["zero"] == 0.0 and got["bf16"]["error"] < 2e-2
     # negative control: large enough gradients survive fp16 without a scaler
     assert gradient_underflow(n=64, d=16, residual=1.0)["fp16"]["zero"] == 0.0
+
+
+def test_k8_takes_enough_copies_for_a_p99_that_is_not_the_max():
+    import re
+    from pathlib import Path
+
+    import nbformat
+
+    walk = Path(__file__).resolve().parent.parent / "notebooks" / "13_interview_walkthroughs.ipynb"
+    k8 = next(c.source for c in nbformat.read(walk, as_version=4).cells
+              if c.cell_type == "code" and "h2d_latency((" in c.source)  # fmt: skip
+    n = int(re.search(r"repeats=(\d+)", k8).group(1))  # type: ignore[union-attr]
+    one_outlier = [1.0] * (n - 1) + [100.0]  # one stall in n copies
+    assert percentile(one_outlier, 99) < 10  # the p99 does not report the lone stall
+    # negative control: at 20 copies the "p99" is most of the way to the max
+    assert percentile([1.0] * 19 + [100.0], 99) > 80
