@@ -8,8 +8,9 @@ runs all of that size's configurations in turn; each must equal
 :func:`labkit.parallel.composed_ref.reference` (parameters after every step, losses) within
 its precision's tolerance. A failure names the configuration and its first divergence, after
 every configuration has run. Negative controls: a run that skips the dp gradient average, a
-context-parallel run that averages dense gradients over dp only (not dp x cp), and a reference
-missing replica 1's micro-batches, are all detected as different.
+context-parallel run that averages dense gradients over dp only (not dp x cp), a 16-bit MoE run
+whose experts get each other's gates, and a reference missing replica 1's micro-batches, are
+all detected as different.
 """
 
 from __future__ import annotations
@@ -49,9 +50,16 @@ ULYSSES = Combo(dp="overlapped", tp="2", cp="2-ulysses", ep="2", precision="bf16
 OSP = Combo(dp="overlapped", dp_comm="ring", tp_comm="ring", tp="2+osp", pp="1f1b", layers=5,
             checkpoint=True, accum=2, frozen=True)  # fmt: skip
 COMBOS = [*covering_array(SEEDS, SUITE), ULYSSES, OSP]
+# a 2-rank 16-bit MoE configuration of the matrix (dense routing there: composed_ref.moe_config)
+MOE16 = next(c for c in COMBOS if c.world_size == 2 and c.ep != "0" and c.precision != "fp32")
 # trained wrong, each must be detected: no dp average at all; at cp = 2, dense gradients
-# averaged over dp (1 rank) instead of dp x cp (each cp rank steps on its half-sequence grads)
-WRONG = [(Combo(dp="flat"), "no_dp_sync"), (Combo(dp="flat", cp="2"), "dp_only")]
+# averaged over dp (1 rank) instead of dp x cp (each cp rank steps on its half-sequence grads);
+# MOE16 with each expert weighted by another choice's gate (dense routing still sees routing)
+WRONG = [
+    (Combo(dp="flat"), "no_dp_sync"),
+    (Combo(dp="flat", cp="2"), "dp_only"),
+    (MOE16, "gates_reversed"),
+]
 
 
 # ----------------------------------------------------------------------------- pure
@@ -187,6 +195,31 @@ def test_layout_picture_places_cp() -> None:
             assert sorted(coords[r][i] for r in g) == list(range(len(g))), (axis, g)
             assert len({coords[r][:i] + coords[r][i + 1 :] for r in g}) == 1, (axis, g)
     assert len(rank_coords(ParallelDegrees(dp=2, tp=2))[3]) == 3  # cp = 1: (pp, dp, tp)
+
+
+def test_16bit_moe_routes_every_token_to_every_expert() -> None:
+    """A token of the zero2/tp2/bf16 configuration (4 ranks, step 0, replica 1's first
+    micro-batch, layer 0): its router logits in one process and on the tp ranks differ by bf16
+    rounding only, yet top-2 picks experts [3, 0] against [3, 2]. Routed to all 4 experts (the
+    matrix's 16-bit MoE), each expert's weight moves by bf16 noise only."""
+    from labkit.experts.router import route
+    from labkit.parallel.composed_ref import moe_config
+
+    one = torch.tensor([[-0.006256103515625, -0.0703125, -0.006439208984375, 0.07861328125]])
+    tp = torch.tensor([[-0.00628662109375, -0.0703125, -0.006195068359375, 0.07861328125]])
+    one, tp = one.bfloat16(), tp.bfloat16()  # as the router's bf16 linear returns them
+
+    def weights(logits: torch.Tensor, k: int) -> torch.Tensor:
+        r = route(logits, k)  # (1, E): each expert's gate, 0 where not chosen
+        return torch.zeros(1, 4).scatter(1, r.experts, r.gates.float())
+
+    assert moe_config(Combo(ep="moe")).top_k == 2  # fp32: a real top-2 choice
+    k16 = moe_config(Combo(ep="moe", precision="bf16")).top_k
+    assert k16 == moe_config(Combo(ep="2", precision="fp16")).top_k == 4
+    torch.testing.assert_close(weights(tp, k16), weights(one, k16), atol=0, rtol=4 * 2**-8)
+    # negative control: top-2 on the same logits flips expert 0 for expert 2 (gate ~0.48)
+    assert route(one, 2).experts.tolist() == [[3, 0]] and route(tp, 2).experts.tolist() == [[3, 2]]
+    assert (weights(tp, 2) - weights(one, 2)).abs().max() > 0.4
 
 
 def test_tolerance_follows_the_precision() -> None:

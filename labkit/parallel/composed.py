@@ -32,6 +32,7 @@ the wrapper's sync.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from functools import partial
 from typing import Any
@@ -57,7 +58,12 @@ from labkit.parallel.composed_ref import (
     model_config,
 )
 from labkit.parallel.composed_sync import dp_mean, snapshot, sum_sequence_parallel
-from labkit.parallel.cp_ep import hidden_experts, reduce_expert_grads, split_sequence
+from labkit.parallel.cp_ep import (
+    expert_modules,
+    hidden_experts,
+    reduce_expert_grads,
+    split_sequence,
+)
 from labkit.parallel.layout import ParallelDegrees, build_layout, rank_grid
 from labkit.parallel.matrix import Combo, check_combo
 from labkit.parallel.threed import pipeline_hook, sum_tied_grads
@@ -133,7 +139,8 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
     None off the last stage) and ``params`` (after each step, full size, named as the
     reference; on tp rank 0 of each replica, ZeRO-3: of replica 0; else []). Negative
     controls: ``wrong="no_dp_sync"`` skips the wrapper's gradient average; ``"dp_only"``
-    averages dense gradients over dp only, not dp x cp."""
+    averages dense gradients over dp only, not dp x cp; ``"gates_reversed"`` misroutes (see
+    :func:`_reverse_gates`)."""
     check(combo)
     d = degrees(combo)
     layout = build_layout(d)
@@ -146,6 +153,8 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
         experts=combo.ep != "0", context_parallel=combo.cp_attention, seq=SEQ,
         checkpoint="full" if combo.checkpoint else None, pipeline=partial(_cut, combo=combo),
     )  # fmt: skip
+    if wrong == "gates_reversed":
+        _reverse_gates(stages)
     chunks = list(stages.chunks)
     model = chunks[0] if combo.pp == "1" else stages  # ZeRO-3's hooks need the forward's module
     scaler = DynamicLossScaler(INIT_SCALE) if combo.precision == "fp16" else None
@@ -216,6 +225,17 @@ def train_combo(combo: Combo, wrong: str | None = None) -> dict[str, Any]:
         for g in {id(g): g for g in groups if g is not None}.values():
             if g is not dist.group.WORLD:
                 dist.destroy_process_group(g)
+
+
+def _reverse_gates(stages: Any) -> None:
+    """Every router hands its gates back in reverse choice order: choice c's expert weighted by
+    choice k-1-c's gate (a gather with the wrong index), a misrouting the check must catch."""
+
+    def hook(module: Any, args: Any, routing: Any) -> Any:
+        return dataclasses.replace(routing, gates=routing.gates.flip(-1))  # (n, k)
+
+    for m in expert_modules(stages):
+        m.router.register_forward_hook(hook)
 
 
 def _forward_backward(

@@ -97,12 +97,26 @@ def make_extra(cfg: GPTConfig) -> nn.Linear:
 
 
 def moe_config(combo: Combo) -> MoEConfig:
-    """The matrix's MoE GPT (ep != "0"): 4 experts, top-2, expert width 32 (splits over tp),
-    dropless and without the auxiliary losses: a cp rank routes T/cp tokens of a micro-batch,
-    so capacity and the balancing loss (functions of the routing group) would differ from one
-    process's; tests/test_experts.py proves capacity, drops and the losses."""
+    """The matrix's MoE GPT (ep != "0"): 4 experts, top-2 in fp32 and all 4 (dense routing)
+    under bf16/fp16 autocast, expert width 32 (splits over tp), dropless and without the
+    auxiliary losses: a cp rank routes T/cp tokens of a micro-batch, so capacity and the
+    balancing loss (functions of the routing group) would differ from one process's;
+    tests/test_experts.py proves capacity, drops and the losses.
+
+    Why dense under 16 bits: a top-k choice is discontinuous, and a parallel run's hidden
+    states legitimately differ from one process's by 16-bit roundings (tp's partial products,
+    cp's split softmax): 2^-8 relative in bf16. A router whose choice varies over tokens has a
+    tie somewhere, so some of a configuration's hundreds of routings land within that noise of
+    one: in zero2/tp2/bf16 (4 ranks) one token of the 320 routed in step 0 has fp32
+    probabilities 0.24836 and 0.24832 for experts 0 and 2, the tp run picks expert 2, and
+    ``experts.b2`` is off by 1.1x the bf16 tolerance after one step (rounding the probabilities to
+    bf16 before top-k hid most such ties, and the router must not: issue 34, defect 9). With
+    k = E every token reaches every expert, the gates stay continuous in the logits (the
+    router still learns, compared after every step), and fp32 configurations keep top-2 with
+    uneven expert loads."""
+    top_k = 2 if combo.precision == "fp32" else 4
     return MoEConfig(
-        model_config(combo), n_experts=4, top_k=2, expert_d_ff=32, capacity_factor=None,
+        model_config(combo), n_experts=4, top_k=top_k, expert_d_ff=32, capacity_factor=None,
         aux_coef=0.0, z_coef=0.0,
     )  # fmt: skip
 
