@@ -341,6 +341,9 @@ def test_time_to_train_and_hsdp_are_the_stated_arithmetic():
         3 * b.gpu_hours
     )
     assert time_to_train(2e9, 1e11, 64, recompute="full").flops == 8 * 2e9 * 1e11
+    from labkit.hardware import value
+
+    assert time_to_train(2e9, 1e11, 64).price_per_gpu_hour == value("assume.price_per_gpu_hour")
     with pytest.raises(ValueError, match="mfu"):
         time_to_train(2e9, 1e11, 64, mfu=0)
     d = 2 * 2e9

@@ -46,6 +46,7 @@ __all__ = [
     "NICS_PER_NODE",
     "GPU_PEAK_FLOPS",
     "GPU_MEMORY",
+    "PRICE_PER_GPU_HOUR",
     "resnet50_counts",
     "DdpPrediction",
     "predict_ddp_step",
@@ -77,6 +78,7 @@ LINK_SOURCES = {"NVLink": "a100.nvlink_per_direction", "PCIe": "link.pcie4_x16",
 NICS_PER_NODE = int(value("a100.nics_per_node"))
 GPU_PEAK_FLOPS = value("a100.peak_bf16")
 GPU_MEMORY = value("a100.memory")
+PRICE_PER_GPU_HOUR = value("assume.price_per_gpu_hour")  # stated in the catalog
 
 
 @functools.cache
@@ -225,13 +227,13 @@ def time_to_train(
     *,
     mfu: float = 0.4,
     peak_flops: float = GPU_PEAK_FLOPS,
-    price_per_gpu_hour: float = 2.0,
+    price_per_gpu_hour: float = PRICE_PER_GPU_HOUR,
     recompute: str = "none",
 ) -> TrainBudget:
     """The training FLOPs of :func:`labkit.planner.budget.training_flops` (``6 N D``; full
     recompute adds ``2 N D``) at ``mfu`` of ``peak_flops`` on each of ``gpus``: for a run
     with no planner prediction of its step (the planner's ``run_budget`` takes one). Stated
-    defaults: 40% MFU (a well-tuned dense LLM run on A100s), $2 per GPU-hour."""
+    defaults: 40% MFU (a well-tuned dense LLM run on A100s), ``assume.price_per_gpu_hour``."""
     if gpus < 1 or not 0 < mfu <= 1:
         raise ValueError(f"need gpus >= 1 and 0 < mfu <= 1; got {gpus}, {mfu}")
     flops = training_flops(params, tokens, recompute)["total"]
