@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from labkit.experts.model import moe_gpt
+from labkit.experts.router import TopKRouter
 from labkit.models.gpt import GPT, GPTConfig, lm_loss
 from labkit.models.moe import MoEConfig
 from labkit.parallel.matrix import Combo
@@ -63,6 +64,10 @@ FLAG = 0  # a sequence starting with this token takes the branch
 # of averaged shows (with a tiny eps AdamW is scale-invariant); lab 08's choice.
 ADAM = AdamConfig(lr=0.5, eps=1.0)
 INIT_SCALE = 2.0**12  # the fp16 loss scale: gradients of this tiny model stay finite
+# Dense routing (16 bits, see moe_config) weights experts by their gates alone; the router's
+# N(0, 0.02) init gives gates within ~10% of 1/E, so this gain spreads the logits (std ~1.1):
+# one expert taking another's gate moves parameters 11x the bf16 tolerance, not 1.6x.
+ROUTER_GAIN = 10.0
 UNIT_ROUNDOFF = {"fp32": 0.0, "bf16": 2.0**-8, "fp16": 2.0**-11}
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -113,7 +118,7 @@ def moe_config(combo: Combo) -> MoEConfig:
     bf16 before top-k hid most such ties, and the router must not: issue 34, defect 9). With
     k = E every token reaches every expert, the gates stay continuous in the logits (the
     router still learns, compared after every step), and fp32 configurations keep top-2 with
-    uneven expert loads."""
+    uneven expert loads. Dense routers start ROUTER_GAIN times wider (:func:`build_model`)."""
     top_k = 2 if combo.precision == "fp32" else 4
     return MoEConfig(
         model_config(combo), n_experts=4, top_k=top_k, expert_d_ff=32, capacity_factor=None,
@@ -126,6 +131,11 @@ def build_model(combo: Combo, *, branch: bool = True) -> GPT:
     the ranks add after tensor parallelism, see :func:`add_branch`); a MoE GPT if ep != "0"."""
     torch.manual_seed(SEED)
     model = GPT(model_config(combo)) if combo.ep == "0" else moe_gpt(moe_config(combo))
+    if combo.ep != "0" and moe_config(combo).top_k == moe_config(combo).n_experts:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, TopKRouter):
+                    m.proj.weight.mul_(ROUTER_GAIN)  # (E, d)
     model.wpe.weight.requires_grad_(not combo.frozen)
     if combo.branch and branch:
         add_branch(model)
