@@ -161,7 +161,8 @@ def test_the_book_in_a_browser(built) -> None:
                                          args=CHROMIUM_FLAGS)  # fmt: skip
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
-            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            page.on("console", lambda m: m.type == "error"
+                    and errors.append(f"{m.text} ({m.location.get('url')})"))
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("requestfailed", lambda r: errors.append(f"failed request {r.url}"))
             page.on("response", lambda r: r.status >= 400 and errors.append(f"{r.status} {r.url}"))

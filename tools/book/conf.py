@@ -13,6 +13,7 @@ myst_heading_anchors = 3  # "page.ipynb#S1-MNIST-on-2-GPUs" links resolve to hea
 # $...$ is drawn as MathML when staged (tools/book/stage.py): no MathJax from a CDN
 html_theme = "sphinx_book_theme"
 html_title = "labkit"
+html_favicon = "favicon.svg"  # else the browser asks for /favicon.ico and logs a 404
 html_theme_options = {"show_toc_level": 2, "navigation_with_keys": False}
 html_last_updated_fmt = None
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]

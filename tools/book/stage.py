@@ -154,7 +154,8 @@ def stage(out: Path, executed: dict[Path, Any]) -> dict[str, int]:
         (out / "docs" / f"{name}.png").write_bytes(data)
     readme = relink((ROOT / "README.md").read_text(), ROOT / "README.md", staged)
     (out / "index.md").write_text(readme + _toctrees())
-    shutil.copy2(Path(__file__).with_name("conf.py"), out / "conf.py")
+    for name in ("conf.py", "favicon.svg"):
+        shutil.copy2(Path(__file__).with_name(name), out / name)
     return counts
 
 
