@@ -14,7 +14,7 @@ __all__ = ["plot_fp8_curves", "plot_formats"]
 def plot_formats() -> None:
     """Every positive e4m3 and e5m2 value on a log axis, subnormals marked: the density of a
     format is its precision, its extent the range."""
-    fig, ax = plt.subplots(figsize=(7.0, 1.9))
+    fig, ax = plt.subplots(figsize=(7.0, 2.3))
     for y, name in enumerate(("e4m3", "e5m2")):
         v = representable(name)[1:]  # zero has no place on a log axis
         sub = v < FORMATS[name].min_normal
@@ -24,7 +24,7 @@ def plot_formats() -> None:
     ax.set_yticks([0, 1], ["e4m3", "e5m2"])
     ax.set_ylim(-0.6, 1.6)
     ax.set_xlabel("value (log2 axis)")
-    ax.legend(fontsize=7, ncol=4, loc="upper left", bbox_to_anchor=(0, -0.45))
+    ax.legend(fontsize=7, ncol=4, loc="upper left", bbox_to_anchor=(0, -0.6))  # below the label
     fig.tight_layout()
     plt.show()
 

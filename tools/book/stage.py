@@ -112,18 +112,21 @@ def lesson_page(nb: Any, src: Path, staged: set[str]) -> Any:
 
 
 def exercise_page(path: Path, staged: set[str]) -> Any:
-    """The exercise as handed out (stubs and check, no outputs), with how to run it."""
+    """The exercise as handed out (stubs and check, no outputs): its title first, then how to
+    open it live."""
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = mathml(relink(cell.source, path, staged))
         else:
             cell.outputs, cell.execution_count = [], None
+    title = next((i for i, c in enumerate(nb.cells)
+                  if c.cell_type == "markdown" and c.source.startswith("# ")), None)  # fmt: skip
+    if title:  # make_exercises puts its "generated from" note above the title
+        nb.cells.insert(0, nb.cells.pop(title))
     rel = path.relative_to(ROOT).as_posix()
-    note = (f"*An exercise: fill in each `# YOUR CODE HERE`, then run the check cell. "
-            f"Open it live with `./lab {rel}`.*")  # fmt: skip
-    nb.cells.insert(1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0,
-                    nbformat.v4.new_markdown_cell(note))  # fmt: skip
+    note = nbformat.v4.new_markdown_cell(f"*Open it live with `./lab {rel}`.*")
+    nb.cells.insert(1 if title is not None else 0, note)
     return nb
 
 
