@@ -11,8 +11,6 @@ run_ranks' warm worlds; it is bounded, and every process it starts carries the t
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -92,12 +90,16 @@ def test_a_node_dies_and_training_goes_on_on_the_others(tmp_path, job_tag):
     if why and os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"CI requires the netns drill, but {why}")
     cfg = NodeLossConfig()  # 3 nodes x 1 rank, 10 steps, save every 3, node 2 dies in step 5
-    elastic_dirs = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
-    r = run_node_loss(cfg, tmp_path / "run", env={"LABKIT_TEST_TAG": job_tag}, timeout=120)
+    # the job's own temp folder: what its processes leave in "the system temp" lands here, and
+    # the suite's other lane (its own torchrun jobs) cannot add to it while this one runs
+    job_tmp = tmp_path / "tmp"
+    job_tmp.mkdir(mode=0o700)
+    env = {"LABKIT_TEST_TAG": job_tag, "TMPDIR": str(job_tmp)}
+    r = run_node_loss(cfg, tmp_path / "run", env=env, timeout=120)
     assert r.mode == ("software" if why else "netns")
     # the agents kept their workers' logs in the run's folder, not in new torchelastic_* folders
     # of the system temp that nobody removes (what torchrun does without --log-dir)
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) == elastic_dirs
+    assert list(job_tmp.glob("torchelastic_*")) == []
     assert len(list((tmp_path / "run").glob("agent*"))) == 3
     # detected by the survivors' collective: a timeout when the link is down (no FIN), else
     # a closed connection at once
