@@ -24,12 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.book import execute, figures  # noqa: E402
+from tools.book import execute, figures, stage  # noqa: E402
 
 
 def main(names: list[str]) -> None:
-    cells = figures.tagged_cells([ROOT / "notebooks" / p.name
-                                  for p in (ROOT / "notebooks").glob("*.ipynb")])  # fmt: skip
+    cells = figures.tagged_cells(stage.lessons())  # the one list of lessons
     bad = [n for n in names if n not in cells]
     if bad:
         raise SystemExit(f"unknown picture(s) {bad}; choose from {sorted(cells)}")
